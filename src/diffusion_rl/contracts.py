@@ -1,0 +1,342 @@
+"""Framework-neutral, validated contracts between samplers, scorers, losses and the trainer.
+
+Every rule is checked at construction (and logits at every scoring call); a violation raises
+``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong value) with a message
+that names the field, what was expected and what was found.
+
+* :class:`DiffusionTokenBatch` — target-aligned token batch: ``logits[b, i]`` predicts
+  ``target_ids[b, i]``; nothing downstream shifts.
+* :func:`validate_diffusion_logits` — the scorer-boundary check on ``[B, L, V]`` logits.
+* :class:`WeightedMetric` / :class:`LossOutput` — a loss is a *sum* and a *denominator*, so
+  micro-batches normalise once by the global denominator (MATH.md §2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "DiffusionTokenBatch",
+    "LossOutput",
+    "WeightedMetric",
+    "validate_diffusion_logits",
+]
+
+_WEIGHT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def _iter_leaves(tree: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
+    for key, value in tree.items():
+        name = f"{prefix}.{key}"
+        if not isinstance(key, str):
+            raise TypeError(f"{prefix}: keys must be str, got {type(key).__name__} {key!r}")
+        if isinstance(value, Mapping):
+            yield from _iter_leaves(value, name)
+        else:
+            yield name, value
+
+
+def _map_leaves(tree: Mapping[str, Any], fn) -> dict[str, Any]:
+    return {k: _map_leaves(v, fn) if isinstance(v, Mapping) else fn(v) for k, v in tree.items()}
+
+
+def _as_plain_dict(tree: Mapping[str, Any]) -> dict[str, Any]:
+    return _map_leaves(tree, lambda leaf: leaf)
+
+
+@dataclass(frozen=True)
+class DiffusionTokenBatch:
+    """A target-aligned batch of token slots to score or train on.
+
+    Fields (B rows, L target slots):
+
+    * ``model_inputs``: mapping (nested mappings allowed) of tensors, each batch-major
+      (rank >= 1, leading dim B). Static settings (temperature, block size, ...) belong to the
+      scorer, not here, so scalars are rejected.
+    * ``target_ids``: integer ``[B, L]``. Inactive slots may hold sentinel ids (e.g. -1);
+      active ids are >= 0.
+    * ``loss_weights``: ``[B, L]``, bool/int/float, finite and >= 0. A slot is *active* iff its
+      weight != 0; fractional weights are allowed.
+
+    Slicing, concatenation and device moves apply to every tensor leaf along dim 0. The class is
+    registered as a PyTorch pytree (children: model_inputs, target_ids, loss_weights).
+    """
+
+    model_inputs: Mapping[str, Any]
+    target_ids: torch.Tensor
+    loss_weights: torch.Tensor
+
+    def __post_init__(self) -> None:
+        targets, weights = self.target_ids, self.loss_weights
+        if not isinstance(targets, torch.Tensor):
+            raise TypeError(
+                f"DiffusionTokenBatch.target_ids: expected a torch.Tensor, got {type(targets).__name__}"
+            )
+        if not _is_integer_dtype(targets.dtype):
+            raise TypeError(
+                f"DiffusionTokenBatch.target_ids: expected an integer dtype, got {targets.dtype}"
+            )
+        if targets.dim() != 2:
+            raise ValueError(
+                "DiffusionTokenBatch.target_ids: expected rank 2 [B, L], "
+                f"got rank {targets.dim()} shape {tuple(targets.shape)}"
+            )
+        if not isinstance(weights, torch.Tensor):
+            raise TypeError(
+                f"DiffusionTokenBatch.loss_weights: expected a torch.Tensor, got {type(weights).__name__}"
+            )
+        if not (weights.dtype.is_floating_point or weights.dtype in _WEIGHT_DTYPES):
+            raise TypeError(
+                "DiffusionTokenBatch.loss_weights: expected a bool, integer or floating dtype, "
+                f"got {weights.dtype}"
+            )
+        if weights.shape != targets.shape:
+            raise ValueError(
+                "DiffusionTokenBatch.loss_weights: expected the shape of target_ids "
+                f"{tuple(targets.shape)}, got {tuple(weights.shape)}"
+            )
+        if weights.dtype.is_floating_point and not bool(torch.isfinite(weights).all()):
+            raise ValueError(
+                "DiffusionTokenBatch.loss_weights: expected finite values, got NaN/inf"
+            )
+        if weights.dtype != torch.bool and bool((weights < 0).any()):
+            raise ValueError(
+                "DiffusionTokenBatch.loss_weights: expected values >= 0, "
+                f"got minimum {weights.min().item()}"
+            )
+        active = weights != 0
+        if bool((targets[active] < 0).any()):
+            raise ValueError(
+                "DiffusionTokenBatch.target_ids: active slots (loss_weights != 0) need ids >= 0, "
+                f"got minimum {targets[active].min().item()}; put sentinels only on inactive slots"
+            )
+        if not isinstance(self.model_inputs, Mapping):
+            raise TypeError(
+                "DiffusionTokenBatch.model_inputs: expected a mapping of tensors, "
+                f"got {type(self.model_inputs).__name__}"
+            )
+        batch = targets.shape[0]
+        for name, leaf in _iter_leaves(self.model_inputs, "DiffusionTokenBatch.model_inputs"):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(leaf).__name__}")
+            if leaf.dim() == 0:
+                raise ValueError(
+                    f"{name}: expected a batch-major tensor (rank >= 1, leading dim {batch}), "
+                    "got a scalar; static settings belong to the scorer"
+                )
+            if leaf.shape[0] != batch:
+                raise ValueError(
+                    f"{name}: expected leading dim B={batch} (from target_ids), got shape "
+                    f"{tuple(leaf.shape)}"
+                )
+        object.__setattr__(self, "model_inputs", _as_plain_dict(self.model_inputs))
+
+    # ----------------------------------------------------------------- views and moves
+    @property
+    def batch_size(self) -> int:
+        return self.target_ids.shape[0]
+
+    @property
+    def active(self) -> torch.Tensor:
+        """Bool ``[B, L]``: slots whose weight is non-zero."""
+        return self.loss_weights != 0
+
+    def _map(self, fn) -> DiffusionTokenBatch:
+        return DiffusionTokenBatch(
+            model_inputs=_map_leaves(self.model_inputs, fn),
+            target_ids=fn(self.target_ids),
+            loss_weights=fn(self.loss_weights),
+        )
+
+    def __getitem__(self, index: slice | torch.Tensor | Sequence[int]) -> DiffusionTokenBatch:
+        """Rows along dim 0 (a slice, an index tensor or a bool mask)."""
+        if isinstance(index, int):
+            index = slice(index, index + 1)
+        return self._map(lambda t: t[index])
+
+    def to(self, device: torch.device | str) -> DiffusionTokenBatch:
+        return self._map(lambda t: t.to(device))
+
+    def split(self, micro_batch_size: int) -> list[DiffusionTokenBatch]:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size: expected >= 1, got {micro_batch_size}")
+        return [
+            self[start : start + micro_batch_size]
+            for start in range(0, self.batch_size, micro_batch_size)
+        ]
+
+    @staticmethod
+    def concat(batches: Sequence[DiffusionTokenBatch]) -> DiffusionTokenBatch:
+        """Concatenate along dim 0; structures must be equal."""
+        if not batches:
+            raise ValueError("DiffusionTokenBatch.concat: expected at least one batch, got none")
+        leaves0, spec0 = pytree.tree_flatten(batches[0])
+        columns = [[leaf] for leaf in leaves0]
+        for k, batch in enumerate(batches[1:], start=1):
+            leaves, spec = pytree.tree_flatten(batch)
+            if spec != spec0:
+                raise ValueError(
+                    f"DiffusionTokenBatch.concat: batch {k} has structure {spec}, expected {spec0}"
+                )
+            for column, leaf in zip(columns, leaves):
+                column.append(leaf)
+        return pytree.tree_unflatten([torch.cat(column, dim=0) for column in columns], spec0)
+
+
+def _flatten(batch: DiffusionTokenBatch):
+    return [batch.model_inputs, batch.target_ids, batch.loss_weights], None
+
+
+def _unflatten(children, _context) -> DiffusionTokenBatch:
+    model_inputs, target_ids, loss_weights = children
+    if all(isinstance(t, torch.Tensor) for t in (target_ids, loss_weights)):
+        return DiffusionTokenBatch(model_inputs, target_ids, loss_weights)
+    # A tree_map to non-tensors (shapes, specs): keep the structure, skip tensor validation.
+    batch = object.__new__(DiffusionTokenBatch)
+    for name, value in zip(("model_inputs", "target_ids", "loss_weights"), children):
+        object.__setattr__(batch, name, value)
+    return batch
+
+
+pytree.register_pytree_node(
+    DiffusionTokenBatch,
+    _flatten,
+    _unflatten,
+    serialized_type_name="diffusion_rl.contracts.DiffusionTokenBatch",
+)
+
+
+def validate_diffusion_logits(batch: DiffusionTokenBatch, logits: torch.Tensor) -> None:
+    """Check target-aligned logits ``[B, L, V]`` against ``batch`` (called at every scoring)."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != 3:
+        raise ValueError(
+            f"logits: expected rank 3 [B, L, V], got rank {logits.dim()} shape {tuple(logits.shape)}"
+        )
+    if tuple(logits.shape[:2]) != tuple(batch.target_ids.shape):
+        raise ValueError(
+            f"logits: expected [B, L] = {tuple(batch.target_ids.shape)} (target_ids), "
+            f"got {tuple(logits.shape[:2])}"
+        )
+    vocab = logits.shape[2]
+    if vocab < 1:
+        raise ValueError(f"logits: expected vocabulary size V >= 1, got {vocab}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"logits: expected a floating dtype, got {logits.dtype}")
+    active_targets = batch.target_ids[batch.active]
+    if active_targets.numel() and int(active_targets.max()) >= vocab:
+        raise ValueError(
+            f"target_ids: active ids must be < V={vocab} (logits vocabulary), "
+            f"got maximum {int(active_targets.max())}"
+        )
+
+
+def _check_bound(name: str, value: float | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"WeightedMetric.{name}: expected a float or None, got {type(value).__name__}"
+        )
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"WeightedMetric.{name}: expected a finite value >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class WeightedMetric:
+    """A weighted mean kept as ``sum / denominator`` so it can be reduced globally.
+
+    ``value = sum / d'`` with ``d' = max(denominator + eps, min_denom)``, and 0 when ``d' == 0``
+    (never NaN). ``sum`` may carry a graph; ``denominator`` is a constant.
+    """
+
+    sum: torch.Tensor
+    denominator: torch.Tensor
+    eps: float | None = None
+    min_denom: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("sum", "denominator"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (torch.Tensor, int, float)):
+                raise TypeError(
+                    f"WeightedMetric.{name}: expected a scalar tensor or number, got {type(value).__name__}"
+                )
+            if not isinstance(value, torch.Tensor):
+                object.__setattr__(self, name, torch.tensor(float(value)))
+            elif value.numel() != 1:
+                raise ValueError(
+                    f"WeightedMetric.{name}: expected a scalar, got shape {tuple(value.shape)}"
+                )
+        denominator = self.denominator.detach()
+        if not bool(torch.isfinite(denominator).all()) or bool((denominator < 0).any()):
+            raise ValueError(
+                f"WeightedMetric.denominator: expected a finite value >= 0, got {denominator.item()}"
+            )
+        _check_bound("eps", self.eps)
+        _check_bound("min_denom", self.min_denom)
+
+    @staticmethod
+    def bound(
+        denominator: torch.Tensor, eps: float | None, min_denom: float | None
+    ) -> torch.Tensor:
+        """The effective denominator ``max(d + eps, min_denom)``."""
+        bounded = denominator + (eps or 0.0)
+        if min_denom is not None:
+            bounded = torch.clamp(bounded, min=min_denom)
+        return bounded
+
+    @property
+    def value(self) -> torch.Tensor:
+        bounded = self.bound(self.denominator, self.eps, self.min_denom)
+        safe = torch.where(bounded > 0, bounded, torch.ones_like(bounded))
+        return torch.where(bounded > 0, self.sum / safe, torch.zeros_like(self.sum))
+
+    def detach(self) -> WeightedMetric:
+        return WeightedMetric(
+            self.sum.detach(), self.denominator.detach(), self.eps, self.min_denom
+        )
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """What every objective returns: the differentiated weighted loss plus diagnostics.
+
+    ``aux_metrics`` values are :class:`WeightedMetric` (reduced globally) or plain scalars
+    (reduced by mean); one key must keep one kind across micro-batches.
+    """
+
+    primary: WeightedMetric
+    aux_metrics: Mapping[str, WeightedMetric | torch.Tensor | float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.primary, WeightedMetric):
+            raise TypeError(
+                f"LossOutput.primary: expected a WeightedMetric, got {type(self.primary).__name__}"
+            )
+        if not isinstance(self.aux_metrics, Mapping):
+            raise TypeError(
+                f"LossOutput.aux_metrics: expected a mapping, got {type(self.aux_metrics).__name__}"
+            )
+        for key, value in self.aux_metrics.items():
+            if isinstance(value, WeightedMetric):
+                continue
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                continue
+            raise TypeError(
+                f"LossOutput.aux_metrics[{key!r}]: expected a WeightedMetric or a scalar, "
+                f"got {type(value).__name__}"
+            )

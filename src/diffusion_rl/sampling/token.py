@@ -1,0 +1,232 @@
+"""Block-wise low-confidence remasking: one loop for serving and, with capture, for rollout.
+
+MATH.md §1.2. The completion (``generation_length`` slots, all MASK) is cut into blocks of
+``block_size`` decoded left to right. At each step every still-masked slot of the current
+block gets a proposal ``x̂ ~ softmax(z / T)`` (Gumbel-max with float64 noise; ``T = 0`` is
+argmax) and a confidence; the most confident slots are committed — a fixed count per step that
+finishes the block in ``steps_per_block`` steps, or every slot with confidence >= threshold
+(at least one). Ties break by lowest position. Committed tokens never change.
+
+Invariants that make rollouts replayable and rows independent:
+
+* step ids are ``block * step_stride + step_in_block`` (``step_stride`` = steps_per_block for
+  the fixed schedule, block_size for the threshold one), never a batch-wide counter;
+* the noise for row ``b`` at step id ``s`` comes from a generator seeded by
+  ``(seeds[b], s)`` alone, so a row's output does not depend on its batch mates;
+* a row stops once a block it completed holds the stop token; its later slots stay MASK in
+  every canvas, are never sampled (commit step -1) and read as the stop token in the output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..kernels import KERNELS
+from ..models.protocol import TokenDenoiser
+from ..trace import TokenTrace
+
+_MIX_A = 0x9E3779B97F4A7C15
+_MIX_B = 0xBF58476D1CE4E5B9
+
+
+class TokenSamplerConfig(BaseModel):
+    """Settings of the block sampler (stored in every trace and checkpoint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generation_length: int = Field(default=8, gt=0)
+    block_size: int = Field(default=4, gt=0)
+    steps_per_block: int = Field(default=4, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    confidence: Literal["probability", "margin", "neg_entropy"] = "probability"
+    schedule: Literal["fixed", "threshold"] = "fixed"
+    threshold: float = Field(default=0.9, gt=0.0, le=1.0)
+    use_cache: bool | None = None
+    stop_at_eos: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenSamplerConfig:
+        if self.schedule == "fixed" and self.steps_per_block > self.block_size:
+            raise ValueError(
+                f"steps_per_block: the fixed schedule commits >= 1 slot per step, so it must be "
+                f"<= block_size={self.block_size}, got {self.steps_per_block}"
+            )
+        return self
+
+    @property
+    def step_stride(self) -> int:
+        return self.steps_per_block if self.schedule == "fixed" else self.block_size
+
+
+@dataclass(frozen=True)
+class TokenSample:
+    tokens: torch.Tensor  # long [B, L]
+    trace: TokenTrace | None
+
+
+def commit_counts(num_slots: int, num_steps: int) -> list[int]:
+    """Slots to commit at each of ``num_steps`` steps so a block of ``num_slots`` finishes:
+    ``num_slots // num_steps`` each, the remainder one extra on the earliest steps."""
+    base, extra = divmod(num_slots, num_steps)
+    return [base + (1 if s < extra else 0) for s in range(num_steps)]
+
+
+def row_step_generator(seed: int, step_id: int) -> torch.Generator:
+    """A CPU generator keyed by (row seed, step id) only."""
+    mixed = (int(seed) * _MIX_A + (int(step_id) + 1) * _MIX_B) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+def gumbel_noise(
+    seeds: Sequence[int], step_id: int, shape: tuple[int, int], device
+) -> torch.Tensor:
+    """Float64 standard Gumbel noise ``[B, *shape]``, row b drawn from ``(seeds[b], step_id)``."""
+    tiny = torch.finfo(torch.float64).tiny
+    rows = []
+    for seed in seeds:
+        u = torch.rand(shape, generator=row_step_generator(seed, step_id), dtype=torch.float64)
+        rows.append(-torch.log(-torch.log(u.clamp(min=tiny, max=1.0 - 1e-16))))
+    return torch.stack(rows).to(device)
+
+
+def select_commits(
+    pending: torch.Tensor,
+    confidence: torch.Tensor,
+    count: torch.Tensor | None,
+    threshold: float | None,
+) -> torch.Tensor:
+    """Bool ``[B, K]`` of slots to commit among ``pending`` ones.
+
+    Fixed schedule: the ``count[b]`` most confident pending slots. Threshold: every pending
+    slot with confidence >= threshold, and at least the most confident one. Ties go to the
+    lowest position (stable sort).
+    """
+    scores = torch.where(pending, confidence, torch.full_like(confidence, -math.inf))
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    if count is not None:
+        return pending & (rank < count[:, None])
+    chosen = pending & (confidence >= threshold)
+    return chosen | (pending & (rank == 0))
+
+
+@torch.no_grad()
+def sample_tokens(
+    model: TokenDenoiser,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor | None,
+    config: TokenSamplerConfig,
+    *,
+    seeds: Sequence[int] | torch.Tensor,
+    stop_token_id: int | None = None,
+    capture: bool = False,
+    weights_version: int = 0,
+) -> TokenSample:
+    """Decode ``generation_length`` tokens after each prompt.
+
+    ``prompt_ids`` long ``[B, P]`` left-padded, ``prompt_mask`` bool ``[B, P]`` (None = all
+    real), ``seeds``: one int per row. ``stop_token_id`` is honoured when
+    ``config.stop_at_eos``. With ``capture`` the result carries a :class:`TokenTrace`.
+    """
+    device = prompt_ids.device
+    batch, prompt_len = prompt_ids.shape
+    if prompt_mask is None:
+        prompt_mask = torch.ones_like(prompt_ids, dtype=torch.bool)
+    seeds = [int(s) for s in (seeds.tolist() if isinstance(seeds, torch.Tensor) else seeds)]
+    if len(seeds) != batch:
+        raise ValueError(f"seeds: expected one per row ({batch}), got {len(seeds)}")
+    model_block = getattr(model, "block_size", None)
+    if model.attention == "block_causal" and config.block_size != model_block:
+        raise ValueError(
+            f"block_size: this block-causal model was built for blocks of {model_block}, "
+            f"got sampler block_size={config.block_size}"
+        )
+    use_cache = (
+        config.use_cache if config.use_cache is not None else model.attention == "block_causal"
+    )
+    if use_cache and model.attention != "block_causal":
+        raise ValueError("use_cache: the block KV cache is exact only for block_causal models")
+    stop = stop_token_id if config.stop_at_eos else None
+
+    mask_id = model.mask_token_id
+    length, size = config.generation_length, config.block_size
+    sample_kernel = KERNELS.resolve("token_sample_step", device)
+    completion = torch.full((batch, length), mask_id, dtype=torch.long, device=device)
+    commit_steps = torch.full((batch, length), -1, dtype=torch.long, device=device)
+    logprobs = torch.zeros((batch, length), dtype=torch.float32, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    cache = model.new_cache(prompt_ids, prompt_mask, prompt_len + length) if use_cache else None
+    full_mask = torch.cat([prompt_mask, torch.ones_like(completion, dtype=torch.bool)], dim=1)
+
+    for block in range(math.ceil(length / size)):
+        lo, hi = block * size, min(length, (block + 1) * size)
+        num_steps = min(config.steps_per_block, hi - lo) if config.schedule == "fixed" else hi - lo
+        counts = commit_counts(hi - lo, num_steps) if config.schedule == "fixed" else None
+        for step in range(num_steps):
+            pending = (commit_steps[:, lo:hi] < 0) & ~done[:, None]
+            if not bool(pending.any()):
+                break
+            if cache is not None:
+                logits = model.forward_block(completion[:, lo:hi], cache)
+            else:
+                canvas = torch.cat([prompt_ids, completion], dim=1)
+                logits = model(canvas, full_mask, prompt_len)[:, prompt_len + lo : prompt_len + hi]
+            logits = logits.float()
+            logits[..., mask_id] = -math.inf
+            step_id = block * config.step_stride + step
+            noise = None
+            if config.temperature > 0:
+                noise = gumbel_noise(seeds, step_id, tuple(logits.shape[1:]), device)
+            proposal, logprob, confidence = sample_kernel.fn(
+                logits, config.temperature, noise, config.confidence
+            )
+            count = None
+            if counts is not None:
+                count = torch.full((batch,), counts[step], device=device)
+                if step == num_steps - 1:
+                    count = pending.sum(1)
+            chosen = select_commits(
+                pending, confidence, count, None if counts else config.threshold
+            )
+            completion[:, lo:hi] = torch.where(chosen, proposal, completion[:, lo:hi])
+            commit_steps[:, lo:hi] = torch.where(chosen, step_id, commit_steps[:, lo:hi])
+            logprobs[:, lo:hi] = torch.where(chosen, logprob, logprobs[:, lo:hi])
+        if cache is not None:
+            model.forward_block(completion[:, lo:hi], cache, extend=True)
+        if stop is not None:
+            done |= ((completion[:, lo:hi] == stop) & (commit_steps[:, lo:hi] >= 0)).any(1)
+            if bool(done.all()):
+                break
+
+    fill = stop if stop is not None else mask_id
+    tokens = torch.where(commit_steps >= 0, completion, torch.full_like(completion, fill))
+    trace = None
+    if capture:
+        trace = TokenTrace(
+            prompt_ids=prompt_ids.clone(),
+            prompt_mask=prompt_mask.clone(),
+            tokens=tokens,
+            commit_steps=commit_steps,
+            behaviour_logprobs=logprobs,
+            seeds=torch.tensor(seeds, dtype=torch.long),
+            sampler={**config.model_dump(), "use_cache": use_cache},
+            kernel_ids={
+                "token_sample_step": sample_kernel.kernel_id,
+                "token_logprobs": KERNELS.resolve("token_logprobs", device).kernel_id,
+            },
+            weights_version=int(weights_version),
+            stop_token_id=stop,
+            model_info={
+                "mask_token_id": mask_id,
+                "attention": model.attention,
+                "block_size": model_block,
+            },
+        )
+    return TokenSample(tokens=tokens, trace=trace)
