@@ -160,8 +160,14 @@ class DiffusionTokenBatch:
 
     def __getitem__(self, index: slice | torch.Tensor | Sequence[int]) -> DiffusionTokenBatch:
         """Rows along dim 0 (a slice, an index tensor or a bool mask)."""
-        if isinstance(index, int):
-            index = slice(index, index + 1)
+        if isinstance(index, torch.Tensor) and index.dim() == 0:
+            index = int(index)
+        if not isinstance(index, (torch.Tensor, slice, Sequence)) and hasattr(index, "__index__"):
+            row = int(index)
+            if not -self.batch_size <= row < self.batch_size:
+                raise IndexError(f"row {row} out of range for batch size {self.batch_size}")
+            row %= self.batch_size
+            index = slice(row, row + 1)
         return self._map(lambda t: t[index])
 
     def to(self, device: torch.device | str) -> DiffusionTokenBatch:
@@ -189,6 +195,11 @@ class DiffusionTokenBatch:
                     f"DiffusionTokenBatch.concat: batch {k} has structure {spec}, expected {spec0}"
                 )
             for column, leaf in zip(columns, leaves):
+                if leaf.shape[1:] != column[0].shape[1:]:
+                    raise ValueError(
+                        f"DiffusionTokenBatch.concat: batch {k} has a leaf of shape "
+                        f"{tuple(leaf.shape)}, expected [*, {', '.join(map(str, column[0].shape[1:]))}]"
+                    )
                 column.append(leaf)
         return pytree.tree_unflatten([torch.cat(column, dim=0) for column in columns], spec0)
 

@@ -52,7 +52,7 @@ class BlockCachedDenoiser(TokenDenoiser, Protocol):
     once per block, with the block's final, committed tokens).
     """
 
-    def new_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, capacity: int): ...
+    def new_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor): ...
 
     def forward_block(
         self, block_ids: torch.Tensor, cache, *, extend: bool = False

@@ -63,17 +63,22 @@ class TransformerConfig(BaseModel):
 
 @dataclass
 class BlockKVCache:
-    """Keys/values of the prompt and the committed blocks, preallocated to ``capacity``.
+    """Keys/values of the prompt and of each committed block, one chunk per block.
 
-    ``keys[l]``/``values[l]``: ``[B, H, capacity, Dh]``; ``key_mask``: bool ``[B, capacity]``;
-    ``length``: filled positions; ``next_position``: ``[B]`` position id of the next token.
+    ``keys[l]``/``values[l]``: per layer, a list of ``[B, H, n_chunk, Dh]`` chunks;
+    ``key_mask``: list of bool ``[B, n_chunk]``; ``next_position``: ``[B]`` position id of the
+    next token. Chunks are concatenated on use (no in-place writes), so a replay with
+    gradients can run through the cache and differentiate the cached prefix too.
     """
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    key_mask: torch.Tensor
-    length: int
+    keys: list[list[torch.Tensor]]
+    values: list[list[torch.Tensor]]
+    key_mask: list[torch.Tensor]
     next_position: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return sum(m.shape[1] for m in self.key_mask)
 
 
 class Attention(nn.Module):
@@ -223,26 +228,19 @@ class DiffusionTransformer(nn.Module):
         return logits
 
     # ------------------------------------------------------------------ block KV cache
-    def new_cache(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, capacity: int
-    ) -> BlockKVCache:
-        """Run the prompt (block 0) once and cache its keys/values; room for ``capacity``
-        positions in all (prompt + completion)."""
+    def new_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> BlockKVCache:
+        """Run the prompt (block 0) once and cache its keys/values."""
         if self.block_size is None:
             raise TypeError("new_cache: the block KV cache needs a block_causal model")
-        b, p = prompt_ids.shape
-        heads, dh = self.config.n_heads, self.config.d_model // self.config.n_heads
-        dtype = self.tok_emb.weight.dtype
         cache = BlockKVCache(
-            keys=[prompt_ids.new_zeros((b, heads, capacity, dh), dtype=dtype) for _ in self.blocks],
-            values=[
-                prompt_ids.new_zeros((b, heads, capacity, dh), dtype=dtype) for _ in self.blocks
-            ],
-            key_mask=torch.zeros((b, capacity), dtype=torch.bool, device=prompt_ids.device),
-            length=0,
-            next_position=torch.zeros(b, dtype=torch.long, device=prompt_ids.device),
+            keys=[[] for _ in self.blocks],
+            values=[[] for _ in self.blocks],
+            key_mask=[],
+            next_position=torch.zeros(
+                prompt_ids.shape[0], dtype=torch.long, device=prompt_ids.device
+            ),
         )
-        self._forward_cached(prompt_ids, prompt_mask, cache, extend=True)
+        self._forward_cached(prompt_ids, prompt_mask.bool(), cache, extend=True)
         return cache
 
     def forward_block(
@@ -250,29 +248,28 @@ class DiffusionTransformer(nn.Module):
     ) -> torch.Tensor:
         """Logits ``[B, K, V]`` for the next block ``block_ids [B, K]`` attending to the cache
         and to itself (bidirectionally); ``extend`` appends its keys/values."""
-        return self._forward_cached(
-            block_ids, torch.ones_like(block_ids, dtype=torch.bool), cache, extend
-        )
+        mask = torch.ones_like(block_ids, dtype=torch.bool)
+        return self._forward_cached(block_ids, mask, cache, extend)
 
     def _forward_cached(self, ids, mask, cache: BlockKVCache, extend: bool) -> torch.Tensor:
-        n, k = cache.length, ids.shape[1]
-        if n + k > cache.key_mask.shape[1]:
-            raise ValueError(
-                f"cache: capacity {cache.key_mask.shape[1]} exceeded by {n + k} positions"
-            )
+        k = ids.shape[1]
         positions = cache.next_position[:, None] + (mask.long().cumsum(1) - 1).clamp_min(0)
-        key_mask = torch.cat([cache.key_mask[:, :n], mask], dim=1)
+        key_mask = torch.cat([*cache.key_mask, mask], dim=1)
         zero = torch.zeros((), dtype=torch.float32, device=ids.device)
         bias = torch.where(key_mask, zero, torch.finfo(torch.float32).min)[:, None, None, :]
         bias = bias.expand(-1, 1, k, -1)
-        pasts = [(kk[:, :, :n], vv[:, :, :n]) for kk, vv in zip(cache.keys, cache.values)]
+        pasts = None
+        if cache.key_mask:
+            pasts = [
+                (torch.cat(kk, dim=2), torch.cat(vv, dim=2))
+                for kk, vv in zip(cache.keys, cache.values)
+            ]
         logits, kvs = self._run(self._embed(ids, positions), bias, pasts)
         if extend:
             for layer, (kk, vv) in enumerate(kvs):
-                cache.keys[layer][:, :, n : n + k] = kk
-                cache.values[layer][:, :, n : n + k] = vv
-            cache.key_mask[:, n : n + k] = mask
-            cache.length = n + k
+                cache.keys[layer].append(kk)
+                cache.values[layer].append(vv)
+            cache.key_mask.append(mask)
             cache.next_position = cache.next_position + mask.long().sum(1)
         return logits
 

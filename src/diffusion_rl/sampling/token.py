@@ -162,7 +162,7 @@ def sample_tokens(
     commit_steps = torch.full((batch, length), -1, dtype=torch.long, device=device)
     logprobs = torch.zeros((batch, length), dtype=torch.float32, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
-    cache = model.new_cache(prompt_ids, prompt_mask, prompt_len + length) if use_cache else None
+    cache = model.new_cache(prompt_ids, prompt_mask) if use_cache else None
     full_mask = torch.cat([prompt_mask, torch.ones_like(completion, dtype=torch.bool)], dim=1)
 
     for block in range(math.ceil(length / size)):
@@ -193,7 +193,7 @@ def sample_tokens(
                 if step == num_steps - 1:
                     count = pending.sum(1)
             chosen = select_commits(
-                pending, confidence, count, None if counts else config.threshold
+                pending, confidence, count, config.threshold if counts is None else None
             )
             completion[:, lo:hi] = torch.where(chosen, proposal, completion[:, lo:hi])
             commit_steps[:, lo:hi] = torch.where(chosen, step_id, commit_steps[:, lo:hi])

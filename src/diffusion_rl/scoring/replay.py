@@ -49,7 +49,11 @@ class ReplayScorer:
 
     ``stop_gradient=True`` scores without building a graph (reference / old policy);
     ``micro_batch_size`` bounds how many rows run per forward; ``kernel_id`` pins the
-    log-prob kernel recorded in the trace (refused, by name, when unavailable).
+    log-prob kernel recorded in the trace (refused, by name, when unavailable); ``use_cache``
+    (default: on for block-causal models, like the sampler) walks the blocks through the block
+    KV cache, so a replay of the sampler's batch runs the sampler's exact computation.
+
+    :meth:`for_trace` builds a scorer with the settings a trace recorded.
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class ReplayScorer:
         stop_gradient: bool = False,
         micro_batch_size: int | None = None,
         kernel_id: str | None = None,
+        use_cache: bool | None = None,
     ) -> None:
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature: expected a finite value >= 0, got {temperature}")
@@ -72,6 +77,23 @@ class ReplayScorer:
         self.stop_gradient = stop_gradient
         self.micro_batch_size = micro_batch_size
         self.logprob_kernel = KERNELS.resolve("token_logprobs", prefer=kernel_id)
+        cacheable = model.attention == "block_causal" and hasattr(model, "forward_block")
+        if use_cache and not cacheable:
+            raise ValueError(
+                "use_cache: the block KV cache needs a block_causal model with forward_block"
+            )
+        self.use_cache = cacheable if use_cache is None else use_cache
+
+    @classmethod
+    def for_trace(cls, model: TokenDenoiser, trace, **options) -> ReplayScorer:
+        """A scorer pinned to ``trace``: its temperature, log-prob kernel id and cache mode."""
+        return cls(
+            model,
+            temperature=trace.temperature,
+            kernel_id=trace.kernel_ids["token_logprobs"],
+            use_cache=bool(trace.sampler.get("use_cache")),
+            **options,
+        )
 
     def score(self, batch: DiffusionTokenBatch) -> ReplayScores:
         missing = [k for k in REQUIRED_INPUTS if k not in batch.model_inputs]
@@ -90,36 +112,78 @@ class ReplayScorer:
 
     def _score_chunk(self, batch: DiffusionTokenBatch) -> ReplayScores:
         inputs = batch.model_inputs
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"].bool()
         tokens, steps = inputs["completion_ids"], inputs["commit_steps"]
-        active = batch.active
-        targets = torch.where(active, batch.target_ids, torch.zeros_like(batch.target_ids))
-        prompt_len = prompt_ids.shape[1]
-        key_mask = torch.cat([prompt_mask, torch.ones_like(tokens, dtype=torch.bool)], dim=1)
+        acting = batch.active & (steps >= 0)
+        targets = torch.where(acting, batch.target_ids, torch.zeros_like(batch.target_ids))
         mask_id = self.model.mask_token_id
 
-        logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        entropy = torch.zeros_like(logprobs) if self.compute_entropy else None
-        acting = active & (steps >= 0)
-        for step in torch.unique(steps[acting]).tolist():
-            at_step = acting & (steps == step)
-            rows = at_step.any(1).nonzero().squeeze(1)
-            visible = (steps[rows] >= 0) & (steps[rows] < step)
-            canvas = torch.where(visible, tokens[rows], torch.full_like(tokens[rows], mask_id))
-            logits = self.model(
-                torch.cat([prompt_ids[rows], canvas], 1), key_mask[rows], prompt_len
+        def canvas_before(step: int | float) -> torch.Tensor:
+            """The completion as the sampler saw it when step ``step`` began."""
+            visible = (steps >= 0) & (steps < step)
+            return torch.where(visible, tokens, torch.full_like(tokens, mask_id))
+
+        def read(logits: torch.Tensor, here: torch.Tensor, slots: slice) -> tuple:
+            """Log-probs (and entropy) of the actions ``here [B, K]`` from logits ``[B, K, V]``."""
+            logits = torch.where(
+                here[..., None], logits.float(), torch.zeros((), device=logits.device)
             )
-            logits = logits[:, prompt_len:].float()
-            validate_diffusion_logits(batch[rows], logits)
-            here = at_step[rows]
-            logits = torch.where(here[..., None], logits, torch.zeros_like(logits))
             logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), -math.inf)
-            step_logprobs = self.logprob_kernel.fn(logits, targets[rows], self.temperature)
-            update = torch.zeros_like(logprobs).index_put(
-                (rows,), torch.where(here, step_logprobs, 0.0)
+            lp = torch.where(
+                here, self.logprob_kernel.fn(logits, targets[:, slots], self.temperature), 0.0
             )
-            logprobs = logprobs + update
-            if entropy is not None:
-                step_entropy = torch.where(here, masked_entropy(logits, self.temperature), 0.0)
-                entropy = entropy + torch.zeros_like(entropy).index_put((rows,), step_entropy)
-        return ReplayScores(logprobs, entropy)
+            ent = None
+            if self.compute_entropy:
+                ent = torch.where(here, masked_entropy(logits, self.temperature), 0.0)
+            return lp, ent
+
+        if self.use_cache:
+            parts = self._replay_blocks(inputs, steps, acting, canvas_before, read)
+        else:
+            parts = self._replay_canvas(batch, steps, acting, canvas_before, read)
+        logprobs = sum(p[0] for p in parts)
+        entropy = sum(p[1] for p in parts) if self.compute_entropy else None
+        zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        return ReplayScores(logprobs + zeros, None if entropy is None else entropy + zeros)
+
+    def _replay_canvas(self, batch, steps, acting, canvas_before, read) -> list:
+        """One full-canvas forward per distinct step id (any attention)."""
+        prompt_ids, prompt_mask = (
+            batch.model_inputs["prompt_ids"],
+            batch.model_inputs["prompt_mask"].bool(),
+        )
+        prompt_len = prompt_ids.shape[1]
+        key_mask = torch.cat([prompt_mask, torch.ones_like(steps, dtype=torch.bool)], dim=1)
+        parts = []
+        for step in torch.unique(steps[acting]).tolist():
+            canvas = torch.cat([prompt_ids, canvas_before(step)], 1)
+            logits = self.model(canvas, key_mask, prompt_len)[:, prompt_len:]
+            validate_diffusion_logits(batch, logits)
+            parts.append(read(logits, acting & (steps == step), slice(None)))
+        return parts
+
+    def _replay_blocks(self, inputs, steps, acting, canvas_before, read) -> list:
+        """Block-causal models: walk the blocks through the block KV cache exactly as the
+        sampler did (same kernels, same shapes: bitwise parity for the same batch)."""
+        size = self.model.block_size
+        length = steps.shape[1]
+        last = int(acting.nonzero()[:, 1].max()) // size if bool(acting.any()) else -1
+        cache = self.model.new_cache(inputs["prompt_ids"], inputs["prompt_mask"].bool())
+        parts = []
+        for block in range(last + 1):
+            lo, hi = block * size, min(length, (block + 1) * size)
+            block_steps, block_acting = steps[:, lo:hi], acting[:, lo:hi]
+            pieces = []
+            for step in torch.unique(block_steps[block_acting]).tolist():
+                logits = self.model.forward_block(canvas_before(step)[:, lo:hi], cache)
+                pieces.append(read(logits, block_acting & (block_steps == step), slice(lo, hi)))
+            if block < last:
+                self.model.forward_block(canvas_before(math.inf)[:, lo:hi], cache, extend=True)
+            parts.extend(_place(piece, lo, hi, length) for piece in pieces)
+        return parts
+
+
+def _place(piece: tuple, lo: int, hi: int, length: int) -> tuple:
+    """Pad ``[B, hi - lo]`` block results to ``[B, length]``."""
+    return tuple(
+        None if t is None else torch.nn.functional.pad(t, (lo, length - hi)) for t in piece
+    )
