@@ -1,0 +1,34 @@
+"""Built-in synthetic, verifiable tasks and their tokenizer.
+
+``get_task(name, **config)`` builds a registered task from keyword settings; the registry maps a
+task name to ``(config class, task class)``.
+"""
+
+from __future__ import annotations
+
+from .arithmetic import ArithmeticConfig, ArithmeticTask, Example, Split
+from .tokenizer import CharTokenizer
+
+__all__ = [
+    "TASKS",
+    "ArithmeticConfig",
+    "ArithmeticTask",
+    "CharTokenizer",
+    "Example",
+    "Split",
+    "get_task",
+]
+
+TASKS = {"arithmetic": (ArithmeticConfig, ArithmeticTask)}
+
+
+def get_task(name: str, **config) -> ArithmeticTask:
+    """The task registered as ``name``, configured by ``config`` (validated by its config class).
+
+    Raises:
+        ValueError: unknown ``name`` (the message lists the known ones) or invalid settings.
+    """
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+    config_cls, task_cls = TASKS[name]
+    return task_cls(config_cls(**config))
