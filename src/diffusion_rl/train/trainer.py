@@ -1,0 +1,489 @@
+"""The one trainer every method reuses: weighted gradient accumulation, AdamW, LR schedule,
+safe skipping of degenerate steps, and exact checkpoint/resume.
+
+A step over micro-batches k (MATH.md §2): ``loss_fn`` returns ``LossOutput`` with
+``primary = WeightedMetric(S_k, d_k)``; the trainer back-propagates each ``S_k`` (never the
+per-micro-batch mean), then divides the accumulated gradient once by
+``bound(Σd_k, eps, min_denom)``. That is the gradient of the global weighted mean over the
+whole batch, however it is split.
+
+Invariants of :meth:`Trainer.train_step`:
+
+* total bound 0 (no weight anywhere) -> no optimizer or scheduler step; parameters and
+  optimizer state are unchanged; ``skipped_zero_weight`` counts it.
+* a non-finite loss or gradient in any micro-batch -> gradients dropped, no optimizer or
+  scheduler step; ``skipped_nonfinite`` counts it.
+* ``global_step`` advances on every call, applied or not.
+* optimizer state keeps its dtypes (bf16 parameters -> bf16 Adam moments), across skipped
+  steps and resumes.
+
+Resume is exact: N steps straight equal N/2 steps, save, a fresh ``Trainer`` + :meth:`resume`,
+N/2 steps, bitwise on CPU (model, optimizer, scheduler, counters, torch / Python / NumPy RNGs
+and the trainer's generator are all restored).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils import _pytree as pytree
+
+from diffusion_rl.contracts import LossOutput, WeightedMetric
+from diffusion_rl.train.checkpoint import (
+    CheckpointManager,
+    CheckpointMismatchError,
+    check_model_compatible,
+    load_weights,
+    read_metadata,
+    read_state,
+    validate_metadata,
+)
+from diffusion_rl.train.metrics import reduce_metrics, reduce_weighted
+
+__all__ = ["LossFn", "OptimConfig", "StepResult", "Trainer", "lr_factor"]
+
+LossFn = Callable[[nn.Module, Any, torch.Generator], LossOutput]
+
+_STATE_FORMAT = 1
+_RESERVED_METRICS = (
+    "loss",
+    "loss_denominator",
+    "grad_norm",
+    "lr",
+    "skipped_zero_weight",
+    "skipped_nonfinite",
+)
+
+
+class OptimConfig(BaseModel):
+    """AdamW and learning-rate schedule settings.
+
+    ``schedule``: ``warmup_steps`` linear warm-up (factor ``(s + 1) / warmup_steps`` at
+    optimizer step s), then constant, or linear / cosine decay from ``lr`` to
+    ``lr * min_lr_ratio`` at ``total_steps`` (required for those two). ``grad_clip=None``
+    disables clipping (the norm is still reported).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, ge=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {betas}")
+        return betas
+
+    @model_validator(mode="after")
+    def _schedule_is_complete(self) -> OptimConfig:
+        if self.schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"total_steps: required when schedule={self.schedule!r}")
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
+            raise ValueError(
+                f"warmup_steps: must be <= total_steps={self.total_steps}, got {self.warmup_steps}"
+            )
+        return self
+
+
+def lr_factor(config: OptimConfig, step: int) -> float:
+    """Multiplier of ``config.lr`` at optimizer step ``step`` (0-based)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return 1.0
+    span = max(1, config.total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    if config.schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """``metrics``: loss, loss_denominator, reduced aux metrics, grad_norm, lr, skip counters.
+    ``applied``: whether the optimizer stepped."""
+
+    metrics: dict[str, float]
+    applied: bool
+
+
+def _python_rng_state() -> dict[str, Any]:
+    version, internal, gauss_next = random.getstate()
+    return {"version": version, "state": list(internal), "gauss_next": gauss_next}
+
+
+def _set_python_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate((state["version"], tuple(state["state"]), state["gauss_next"]))
+
+
+def _numpy_rng_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "name": name,
+        "keys": keys.tolist(),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+
+
+def _set_numpy_rng_state(state: Mapping[str, Any]) -> None:
+    keys = np.asarray(state["keys"], dtype=np.uint32)
+    np.random.set_state(
+        (state["name"], keys, state["pos"], state["has_gauss"], state["cached_gaussian"])
+    )
+
+
+class Trainer:
+    """Optimises ``model`` with ``loss_fn(model, micro_batch, generator) -> LossOutput``.
+
+    * ``self.generator``: a CPU ``torch.Generator`` seeded with ``seed``, passed to every
+      ``loss_fn`` call (the loss's randomness: masks, timesteps). Saved and restored.
+    * ``precision="bf16"`` runs ``loss_fn`` under ``torch.autocast(device.type, bfloat16)``;
+      parameters keep their own dtype.
+    * ``activation_checkpointing=True`` calls ``model.enable_activation_checkpointing(True)``.
+    * The model is moved to ``device``; so are tensors in each micro-batch (pytree leaves).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        optim: OptimConfig,
+        *,
+        precision: Literal["fp32", "bf16"] = "fp32",
+        activation_checkpointing: bool = False,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if not isinstance(optim, OptimConfig):
+            raise TypeError(f"optim: expected an OptimConfig, got {type(optim).__name__}")
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision: expected 'fp32' or 'bf16', got {precision!r}")
+        if activation_checkpointing:
+            enable = getattr(model, "enable_activation_checkpointing", None)
+            if not callable(enable):
+                raise TypeError(
+                    f"activation_checkpointing=True: {type(model).__name__} has no "
+                    "enable_activation_checkpointing(enabled) method"
+                )
+            enable(True)
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.loss_fn = loss_fn
+        self.optim = optim
+        self.precision = precision
+        self.activation_checkpointing = activation_checkpointing
+        self.seed = seed
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError(f"model: {type(model).__name__} has no parameter with requires_grad")
+        self._param_names = {id(p): name for name, p in model.named_parameters()}
+        self.optimizer = torch.optim.AdamW(
+            self._params,
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+
+        def factor(step: int) -> float:  # a plain function: LambdaLR then saves no closure
+            return lr_factor(optim, step)
+
+        self.scheduler = LambdaLR(self.optimizer, lr_lambda=factor)
+
+        self.global_step = 0
+        self.optimizer_steps = 0
+        self.skipped_zero_weight = 0
+        self.skipped_nonfinite = 0
+
+    # ------------------------------------------------------------------------- training
+    def train_step(self, micro_batches: Sequence[Any]) -> StepResult:
+        """One optimisation step over ``micro_batches`` (see the module invariants).
+
+        After an applied step ``p.grad`` holds the gradient that was used (normalised and
+        clipped); after a skipped step every ``p.grad`` is ``None``.
+        """
+        if isinstance(micro_batches, (str, bytes)) or not isinstance(micro_batches, Sequence):
+            raise TypeError(
+                f"micro_batches: expected a sequence, got {type(micro_batches).__name__}"
+            )
+        if len(micro_batches) == 0:
+            raise ValueError("micro_batches: expected at least one micro-batch, got none")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            primaries, aux_items, finite = self._accumulate(micro_batches)
+            loss = reduce_weighted(primaries, "loss")
+            aux = reduce_metrics(aux_items)
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        grad_norm = 0.0
+        applied = False
+        if not finite:
+            grad_norm = math.nan
+            self.skipped_nonfinite += 1
+        elif loss.bound == 0.0:
+            self.skipped_zero_weight += 1
+        else:
+            for param in self._params:
+                if param.grad is not None:
+                    param.grad.div_(loss.bound)
+            grad_norm = self._clip_and_norm()
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer_steps += 1
+                applied = True
+            else:
+                self.skipped_nonfinite += 1
+        if not applied:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+
+        metrics = {"loss": loss.value, "loss_denominator": loss.denominator, **aux}
+        metrics.update(
+            grad_norm=grad_norm,
+            lr=lr,
+            skipped_zero_weight=float(self.skipped_zero_weight),
+            skipped_nonfinite=float(self.skipped_nonfinite),
+        )
+        return StepResult(metrics=metrics, applied=applied)
+
+    def _accumulate(
+        self, micro_batches: Sequence[Any]
+    ) -> tuple[list[WeightedMetric], list[dict[str, Any]], bool]:
+        """Run ``loss_fn`` on every micro-batch and back-propagate each finite ``S_k``."""
+        primaries: list[WeightedMetric] = []
+        aux_items: list[dict[str, Any]] = []
+        finite = True
+        for index, micro_batch in enumerate(micro_batches):
+            with self._autocast():
+                out = self.loss_fn(self.model, self._to_device(micro_batch), self.generator)
+            if not isinstance(out, LossOutput):
+                raise TypeError(
+                    f"loss_fn: expected a LossOutput, got {type(out).__name__} (micro-batch {index})"
+                )
+            total = out.primary.sum
+            if not total.requires_grad:
+                raise TypeError(
+                    f"loss_fn: primary.sum of micro-batch {index} does not require grad; "
+                    "return the differentiable weighted sum"
+                )
+            clash = [key for key in out.aux_metrics if key in _RESERVED_METRICS]
+            if clash:
+                raise ValueError(
+                    f"loss_fn: aux metric names {clash} are reserved by the trainer "
+                    f"({', '.join(_RESERVED_METRICS)})"
+                )
+            aux_items.append(
+                {
+                    key: value.detach()
+                    if isinstance(value, (WeightedMetric, torch.Tensor))
+                    else value
+                    for key, value in out.aux_metrics.items()
+                }
+            )
+            primaries.append(out.primary.detach())
+            if finite and bool(torch.isfinite(total.detach())):
+                total.backward()
+            else:
+                finite = False  # keep running loss_fn: metrics and RNG use stay step-invariant
+        return primaries, aux_items, finite
+
+    def _clip_and_norm(self) -> float:
+        """Clip to ``grad_clip`` (if set); return the pre-clip global L2 norm."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.optim.grad_clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self._params, self.optim.grad_clip)
+        else:
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+            norm = torch.linalg.vector_norm(torch.stack(norms))
+        return float(norm)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _to_device(self, micro_batch: Any) -> Any:
+        def off_device(leaf: Any) -> bool:
+            return isinstance(leaf, torch.Tensor) and leaf.device.type != self.device.type
+
+        if not any(off_device(leaf) for leaf in pytree.tree_leaves(micro_batch)):
+            return micro_batch
+        return pytree.tree_map(
+            lambda leaf: leaf.to(self.device) if isinstance(leaf, torch.Tensor) else leaf,
+            micro_batch,
+        )
+
+    # ------------------------------------------------------------------------- checkpoints
+    def full_metadata(self, metadata: Mapping[str, Any]) -> dict[str, Any]:
+        """``metadata`` plus the trainer's own settings under the reserved key ``"trainer"``."""
+        if "trainer" in metadata:
+            raise ValueError("metadata: the key 'trainer' is reserved for the trainer's settings")
+        return {
+            **metadata,
+            "trainer": {
+                "optim": self.optim.model_dump(mode="json"),
+                "precision": self.precision,
+                "seed": self.seed,
+            },
+        }
+
+    def trainer_state(self, data_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Everything but model and optimizer, in ``weights_only``-loadable form."""
+        rng: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "generator": self.generator.get_state(),
+            "python": _python_rng_state(),
+            "numpy": _numpy_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "format": _STATE_FORMAT,
+            "global_step": self.global_step,
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_zero_weight": self.skipped_zero_weight,
+            "skipped_nonfinite": self.skipped_nonfinite,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng,
+            "data_state": dict(data_state) if data_state is not None else {},
+        }
+
+    def save_checkpoint(
+        self,
+        manager: CheckpointManager,
+        metadata: Mapping[str, Any],
+        data_state: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write checkpoint ``global_step`` through ``manager``; returns its directory."""
+        return manager.save(
+            self.global_step,
+            self.model,
+            self.optimizer,
+            self.trainer_state(data_state),
+            self.full_metadata(metadata),
+        )
+
+    def resume(
+        self, manager_or_path: CheckpointManager | str | Path, expected_metadata: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Restore everything from a checkpoint; return the saved ``data_state``.
+
+        ``manager_or_path``: a manager (its :meth:`~CheckpointManager.latest`) or a checkpoint
+        directory. Metadata, weights and optimizer state are all checked before any state is
+        modified; a mismatch raises :class:`CheckpointMismatchError` and leaves the trainer
+        untouched.
+        """
+        if isinstance(manager_or_path, CheckpointManager):
+            path = manager_or_path.latest()
+            if path is None:
+                raise FileNotFoundError(f"no checkpoint to resume in {manager_or_path.directory}")
+        else:
+            path = Path(manager_or_path)
+        validate_metadata(self.full_metadata(expected_metadata), read_metadata(path))
+        state, optimizer_state = read_state(path)
+        if state.get("format") != _STATE_FORMAT:
+            raise CheckpointMismatchError(
+                f"checkpoint {path}: trainer_state format {state.get('format')!r}, "
+                f"this version reads format {_STATE_FORMAT}"
+            )
+        check_model_compatible(path, self.model)
+        saved_dtypes = self._check_optimizer_state(path, optimizer_state)
+
+        load_weights(path, self.model)
+        self.optimizer.load_state_dict(optimizer_state)
+        self._verify_optimizer_dtypes(saved_dtypes)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.global_step = state["global_step"]
+        self.optimizer_steps = state["optimizer_steps"]
+        self.skipped_zero_weight = state["skipped_zero_weight"]
+        self.skipped_nonfinite = state["skipped_nonfinite"]
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        self.generator.set_state(rng["generator"])
+        _set_python_rng_state(rng["python"])
+        _set_numpy_rng_state(rng["numpy"])
+        cuda_states = rng.get("cuda")
+        if (
+            cuda_states
+            and torch.cuda.is_available()
+            and len(cuda_states) == torch.cuda.device_count()
+        ):
+            torch.cuda.set_rng_state_all(cuda_states)
+        return dict(state["data_state"])
+
+    def _check_optimizer_state(
+        self, path: Path, optimizer_state: Mapping[str, Any]
+    ) -> dict[tuple[int, str], torch.dtype]:
+        """Check saved optimizer state fits our parameters; return ``{(index, key): dtype}``."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        saved_ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+        if len(saved_ids) != len(params) or len(optimizer_state["param_groups"]) != len(
+            self.optimizer.param_groups
+        ):
+            raise CheckpointMismatchError(
+                f"checkpoint {path}: optimizer has {len(saved_ids)} parameters, this model trains "
+                f"{len(params)}"
+            )
+        by_id = dict(zip(saved_ids, range(len(params))))
+        dtypes: dict[tuple[int, str], torch.dtype] = {}
+        for saved_id, entry in optimizer_state["state"].items():
+            index = by_id[saved_id]
+            param = params[index]
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                dtypes[(index, key)] = value.dtype
+                if key == "step" or value.dim() == 0:
+                    continue
+                if value.dtype != param.dtype or value.shape != param.shape:
+                    name = self._param_names.get(id(param), f"#{index}")
+                    raise CheckpointMismatchError(
+                        f"checkpoint {path}: optimizer state {key!r} of parameter {name!r}: "
+                        f"expected {tuple(param.shape)} {param.dtype} (the model), found "
+                        f"{tuple(value.shape)} {value.dtype}. Resume with the parameter dtypes "
+                        "and shapes that wrote the checkpoint, or start a new output directory."
+                    )
+        return dtypes
+
+    def _verify_optimizer_dtypes(self, saved: Mapping[tuple[int, str], torch.dtype]) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for (index, key), dtype in saved.items():
+            loaded = self.optimizer.state[params[index]][key].dtype
+            if loaded != dtype:
+                raise RuntimeError(
+                    f"optimizer state {key!r} of parameter #{index} loaded as {loaded}, saved as "
+                    f"{dtype}: optimizer state must keep its dtypes across resumes"
+                )
