@@ -1,0 +1,1 @@
+"""Recipes: short scripts that compose tasks, models, objectives, samplers and the trainer."""
