@@ -1,0 +1,143 @@
+"""Configs, the SFT recipe end to end (with a kill and an exact resume) and the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from diffusion_rl import cli
+from diffusion_rl.config import (
+    ConfigError,
+    SFTRecipeConfig,
+    build_config,
+    load_config,
+    parse_overrides,
+)
+from diffusion_rl.models.io import load_model_dir
+from diffusion_rl.recipes.sft import run_sft
+from diffusion_rl.train import Trainer
+
+TINY = {
+    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
+    "task": {"num_digits": 2},
+    "steps": 6,
+    "batch_size": 8,
+    "micro_batch_size": 3,
+    "eval_every": 3,
+    "eval_examples": 8,
+    "checkpoint_every": 3,
+    "log_every": 1,
+}
+
+
+def tiny_config(tmp_path, name="run", **extra):
+    return build_config(SFTRecipeConfig, {**TINY, "output_dir": str(tmp_path / name), **extra})
+
+
+def test_unknown_keys_are_rejected_by_name(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("stepz: 3\nmodel:\n  d_modle: 8\ntask:\n  num_digitz: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, SFTRecipeConfig)
+    message = str(info.value)
+    for key in ("stepz", "model.d_modle", "task.num_digitz"):
+        assert f"{key}: unknown key" in message
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml", SFTRecipeConfig)
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_overrides(["steps"])
+
+
+def test_defaults_and_overrides():
+    config = load_config(
+        None, SFTRecipeConfig, ["steps=300", "optim.lr=1e-3", "sampler.temperature=0.5"]
+    )
+    assert config.steps == 300 and config.sampler.temperature == 0.5
+    # a partial optim section keeps the recipe's schedule, spanning the run
+    assert (
+        config.optim.lr,
+        config.optim.schedule,
+        config.optim.total_steps,
+        config.optim.warmup_steps,
+    ) == (
+        1e-3,
+        "cosine",
+        300,
+        30,
+    )
+    assert parse_overrides(["a.b=2", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 2, "c": "x"}, "d": [1, 2]}
+    with pytest.raises(ConfigError, match="unknown task 'sudoku9'"):
+        build_config(SFTRecipeConfig, {"task": {"name": "sudoku9"}})
+
+
+def test_sft_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):
+    straight = run_sft(tiny_config(tmp_path, "straight"), echo=lambda _: None)
+    assert straight["steps"] == 6
+    assert 0.0 <= straight["eval"]["accuracy"] <= 1.0
+    assert [h["step"] for h in straight["history"]] == [3, 6]
+    lines = (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+    assert sum("loss" in json.loads(line) for line in lines) == 6
+
+    real_step = Trainer.train_step
+
+    def dying_step(self, micro_batches):
+        if self.global_step == 4:
+            raise KeyboardInterrupt  # killed after the step-3 checkpoint, mid-run
+        return real_step(self, micro_batches)
+
+    monkeypatch.setattr(Trainer, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(tiny_config(tmp_path, "killed"), echo=lambda _: None)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    resumed = run_sft(tiny_config(tmp_path, "killed"), echo=lambda _: None)
+    assert resumed["steps"] == 6
+
+    a = load_model_dir(tmp_path / "straight" / "model").model.state_dict()
+    b = load_model_dir(tmp_path / "killed" / "model").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # a changed objective refuses to resume, naming the key
+    with pytest.raises(Exception, match="objective.weighting"):
+        run_sft(
+            tiny_config(tmp_path, "killed", objective={"weighting": "inverse_t"}, steps=9),
+            echo=lambda _: None,
+        )
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        run_sft(tiny_config(tmp_path, "killed", resume=False), echo=lambda _: None)
+
+
+def test_cli_generate_eval_and_errors(tmp_path, capsys):
+    run_sft(tiny_config(tmp_path), echo=lambda _: None)
+    model_dir = str(tmp_path / "run" / "model")
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--model",
+                model_dir,
+                "--prompt",
+                "12+3=",
+                "--prompt",
+                "7+8=",
+                "--trace",
+                str(tmp_path / "t.json"),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("12+3=") and out[1].startswith("7+8=")
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert len(trace["tokens"]) == 2 and trace["kernel_ids"]["token_logprobs"]
+    assert (
+        cli.main(
+            ["eval", "--model", model_dir, "--examples", "8", "--output", str(tmp_path / "e.json")]
+        )
+        == 0
+    )
+    assert json.loads((tmp_path / "e.json").read_text())["num_examples"] == 8
+    capsys.readouterr()
+    assert cli.main(["sft", "--set", "stepz=1"]) == 2
+    assert "stepz: unknown key" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "1+1="]) == 2
+    assert "does not exist" in capsys.readouterr().err
