@@ -14,7 +14,7 @@ from diffusion_rl.config import (
     parse_overrides,
 )
 from diffusion_rl.models.io import load_model_dir
-from diffusion_rl.recipes.sft import run_sft
+from diffusion_rl.recipes.sft import build_task, run_sft
 from diffusion_rl.train import Trainer
 
 TINY = {
@@ -141,3 +141,15 @@ def test_cli_generate_eval_and_errors(tmp_path, capsys):
     assert "stepz: unknown key" in capsys.readouterr().err
     assert cli.main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "1+1="]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_shipped_config_matches_the_defaults():
+    """configs/sft_arithmetic.yaml documents every key with its default value."""
+    from pathlib import Path
+
+    shipped = load_config(
+        Path(__file__).parents[1] / "configs" / "sft_arithmetic.yaml", SFTRecipeConfig
+    )
+    defaults = SFTRecipeConfig()
+    assert shipped.model_dump(exclude={"task"}) == defaults.model_dump(exclude={"task"})
+    assert build_task(shipped).config == build_task(defaults).config
