@@ -189,3 +189,14 @@ def test_replay_refuses_unknown_kernel_and_incomplete_inputs():
         ReplayScorer(model, temperature=1.0, use_cache=True)
     with pytest.raises(ValueError, match="temperature"):
         ReplayScorer(model, temperature=float("nan"))
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_replay_validates_logits_against_targets(attention):
+    """Scoring a trace with a model whose vocabulary cannot hold its tokens fails by name."""
+    model, trace = rollout(attention, batch=4)
+    small = tiny_model(attention, vocab=4)
+    batch = trace.prepare()
+    assert int(batch.target_ids.max()) >= 4
+    with pytest.raises(ValueError, match="active ids must be < V=4"):
+        ReplayScorer.for_trace(small, trace).score(batch)

@@ -124,6 +124,7 @@ class ReplayScorer:
 
         def read(logits: torch.Tensor, here: torch.Tensor, slots: slice) -> tuple:
             """Log-probs (and entropy) of the actions ``here [B, K]`` from logits ``[B, K, V]``."""
+            validate_diffusion_logits(DiffusionTokenBatch({}, targets[:, slots], here), logits)
             logits = torch.where(
                 here[..., None], logits.float(), torch.zeros((), device=logits.device)
             )
@@ -157,7 +158,6 @@ class ReplayScorer:
         for step in torch.unique(steps[acting]).tolist():
             canvas = torch.cat([prompt_ids, canvas_before(step)], 1)
             logits = self.model(canvas, key_mask, prompt_len)[:, prompt_len:]
-            validate_diffusion_logits(batch, logits)
             parts.append(read(logits, acting & (steps == step), slice(None)))
         return parts
 
