@@ -208,6 +208,12 @@ class DiffusionTransformer(nn.Module):
         return self.head(self.norm(x)), kvs
 
     def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(
+                f"input_ids: ids must be in [0, vocab_size={self.config.vocab_size}), got "
+                f"[{low}, {high}]; is the tokenizer the model's?"
+            )
         if int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(
                 f"input_ids: position {int(positions.max())} exceeds max_seq_len="
