@@ -77,6 +77,8 @@ def test_sft_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):
     assert [h["step"] for h in straight["history"]] == [3, 6]
     lines = (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
     assert sum("loss" in json.loads(line) for line in lines) == 6
+    png = tmp_path / "straight" / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
     real_step = Trainer.train_step
 

@@ -11,7 +11,7 @@ from ..config import SFTRecipeConfig, build_config, merge_dicts, parse_overrides
 from ..evaluation import format_samples
 from .sft import run_sft
 
-QUICKSTART_STEPS = 1500
+QUICKSTART_STEPS = 2000
 
 
 def run_quickstart(
@@ -32,6 +32,7 @@ def run_quickstart(
     print(format_samples(results["eval"]["samples"]))
     out = Path(config.output_dir)
     print(f"\nmetrics: {out / 'results.json'} (summary), {out / 'metrics.jsonl'} (per step)")
+    print(f"curves:  {out / 'curves.png'}")
     print(
         f"model:   {out / 'model'}  — try: diffusion-rl generate --model {out / 'model'} --prompt 123+456="
     )

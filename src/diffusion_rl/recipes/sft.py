@@ -3,7 +3,7 @@
 Composes: task (data by position, verifier) → :class:`MaskedDiffusionSFT` → :class:`Trainer`
 (global weighted accumulation, checkpoints with exact resume) → :func:`evaluate_task` (the
 serving sampler + verifier). Writes to ``output_dir``: ``metrics.jsonl`` (+ TensorBoard),
-``checkpoints/``, ``model/`` (the final model directory) and ``results.json``.
+``checkpoints/``, ``model/`` (the final model directory), ``curves.png`` and ``results.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ..evaluation import evaluate_task
 from ..models import DiffusionTransformer, TransformerConfig
 from ..models.io import load_model_dir, save_model_dir
 from ..objectives import MaskedDiffusionSFT
+from ..plots import plot_curves
 from ..tasks import get_task
 from ..train import CheckpointManager, MetricsLogger, Trainer, progress
 
@@ -147,6 +148,9 @@ def run_sft(config: SFTRecipeConfig, echo: Callable[[str], None] = print) -> dic
         if manager.latest() is None or trainer.global_step % config.checkpoint_every:
             trainer.save_checkpoint(manager, metadata, {"position": position})
 
+    curves = plot_curves(
+        out / "metrics.jsonl", out / "curves.png", ["loss", "eval/accuracy"], "masked-diffusion SFT"
+    )
     info = {
         "task": metadata["task"],
         "sampler": metadata["sampler"],
@@ -163,6 +167,7 @@ def run_sft(config: SFTRecipeConfig, echo: Callable[[str], None] = print) -> dic
         "history": history,
         "skipped_nonfinite": trainer.skipped_nonfinite,
         "model_dir": str(out / "model"),
+        "curves_png": str(curves),
     }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return results
