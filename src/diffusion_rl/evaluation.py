@@ -74,10 +74,14 @@ def evaluate_task(
 
 
 def format_samples(samples: list[dict]) -> str:
-    return "\n".join(
-        f"  {'✓' if s['correct'] else '✗'} {s['prompt']}{s['completion']:<8} (answer {s['answer']})"
-        for s in samples
-    )
+    """One line per sample: a check mark, prompt + completion, the true answer."""
+    lines = []
+    for sample in samples:
+        mark = "✓" if sample["correct"] else "✗"
+        lines.append(
+            f"  {mark} {sample['prompt'] + sample['completion']:<16} answer {sample['answer']}"
+        )
+    return "\n".join(lines)
 
 
 __all__ = ["EvalResult", "evaluate_task", "format_samples"]
