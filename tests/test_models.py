@@ -136,3 +136,17 @@ def test_config_errors():
         model(torch.zeros(1, 49, dtype=torch.long))
     with pytest.raises(TypeError, match="block_causal"):
         model.new_cache(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_forward_packed_with_the_canvas_mask_equals_forward():
+    model = tiny_model("block_causal")
+    ids = torch.randint(3, 16, (2, 12))
+    key_mask = torch.ones_like(ids, dtype=torch.bool)
+    key_mask[0, :2] = False
+    allowed = model.attention_bias(key_mask, 4)[:, 0] == 0
+    positions = (key_mask.long().cumsum(1) - 1).clamp_min(0)
+    torch.testing.assert_close(
+        model.forward_packed(ids, positions, allowed), model(ids, key_mask, 4), atol=0, rtol=0
+    )
+    with pytest.raises(ValueError, match="allowed: expected"):
+        model.forward_packed(ids, positions, allowed[:, :5])

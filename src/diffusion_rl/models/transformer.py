@@ -233,6 +233,22 @@ class DiffusionTransformer(nn.Module):
         )
         return logits
 
+    def forward_packed(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``[B, T, V]`` for an arbitrary packed layout: ``position_ids [B, T]`` and a
+        bool ``allowed [B, T, T]`` (query i may attend to key j). Used by packed replay, where
+        one sequence holds the clean completion and a noisy copy of a block per step."""
+        if allowed.shape != (*input_ids.shape, input_ids.shape[1]):
+            raise ValueError(
+                f"allowed: expected [B, T, T] = {(*input_ids.shape, input_ids.shape[1])}, "
+                f"got {tuple(allowed.shape)}"
+            )
+        zero = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+        bias = torch.where(allowed, zero, torch.finfo(torch.float32).min)[:, None]
+        logits, _ = self._run(self._embed(input_ids, position_ids), bias)
+        return logits
+
     # ------------------------------------------------------------------ block KV cache
     def new_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> BlockKVCache:
         """Run the prompt (block 0) once and cache its keys/values."""
