@@ -155,3 +155,86 @@ def test_shipped_config_matches_the_defaults():
     defaults = SFTRecipeConfig()
     assert shipped.model_dump(exclude={"task"}) == defaults.model_dump(exclude={"task"})
     assert build_task(shipped).config == build_task(defaults).config
+
+
+GRPO_TINY = {
+    "task": {"num_digits": 2},
+    "steps": 4,
+    "prompts_per_step": 2,
+    "group_size": 4,
+    "micro_batch_size": 5,
+    "eval_every": 2,
+    "eval_examples": 8,
+    "checkpoint_every": 2,
+    "optim": {"lr": 1e-3},
+}
+
+
+def test_grpo_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):
+    from diffusion_rl.config import GRPORecipeConfig
+    from diffusion_rl.recipes.grpo import run_grpo
+
+    run_sft(tiny_config(tmp_path, "sft"), echo=lambda _: None)
+    model_path = str(tmp_path / "sft" / "model")
+
+    def config(name, **extra):
+        return build_config(
+            GRPORecipeConfig,
+            {
+                **GRPO_TINY,
+                "model": {"path": model_path},
+                "output_dir": str(tmp_path / name),
+                **extra,
+            },
+        )
+
+    straight = run_grpo(config("straight"), echo=lambda _: None)
+    assert straight["steps"] == 4 and straight["weights_version"] == 4
+    assert [h["step"] for h in straight["history"]] == [0, 2, 4]
+    assert (tmp_path / "straight" / "curves.png").stat().st_size > 5000
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert all(
+        r["policy/ratio_mean@iter0"] == 1.0 for r in records if "policy/ratio_mean@iter0" in r
+    )
+
+    real_step = Trainer.train_step
+
+    def dying_step(self, micro_batches):
+        if self.global_step == 3:
+            raise KeyboardInterrupt
+        return real_step(self, micro_batches)
+
+    monkeypatch.setattr(Trainer, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_grpo(config("killed"), echo=lambda _: None)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    resumed = run_grpo(config("killed"), echo=lambda _: None)
+    assert resumed["weights_version"] == 4
+    a = load_model_dir(tmp_path / "straight" / "model").model.state_dict()
+    b = load_model_dir(tmp_path / "killed" / "model").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(Exception, match="objective.clip_low"):
+        run_grpo(config("killed", policy={"clip_low": 0.1}, steps=6), echo=lambda _: None)
+
+
+def test_quickstart_runs_sft_then_grpo(tmp_path, capsys):
+    from diffusion_rl.recipes.quickstart import run_quickstart
+
+    overrides = [f"sft.{k}={json.dumps(v)}" for k, v in TINY.items() if k != "steps"]
+    overrides += [
+        "grpo.prompts_per_step=2",
+        "grpo.group_size=4",
+        "grpo.eval_examples=8",
+        "grpo.task.num_digits=2",
+    ]
+    summary = run_quickstart(str(tmp_path / "qs"), steps=4, rl_steps=2, overrides=overrides)
+    out = capsys.readouterr().out
+    assert "after SFT" in out and "after GRPO" in out
+    saved = json.loads((tmp_path / "qs" / "results.json").read_text())
+    assert saved == summary and saved["grpo"]["steps"] == 2
+    assert saved["grpo"]["accuracy_before"] == saved["sft"]["accuracy"]  # same eval, same model
+    with pytest.raises(ValueError, match="keys must start with sft. or grpo."):
+        run_quickstart(str(tmp_path / "x"), overrides=["steps=3"])

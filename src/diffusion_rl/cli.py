@@ -42,10 +42,23 @@ def cmd_sft(args) -> int:
     return 0
 
 
+def cmd_grpo(args) -> int:
+    from .config import GRPORecipeConfig, load_config
+    from .recipes.grpo import run_grpo
+
+    config = load_config(args.config, GRPORecipeConfig, args.set)
+    results = run_grpo(config)
+    print(
+        f"accuracy {results['accuracy_before']:.3f} -> {results['accuracy_after']:.3f}; "
+        f"results in {Path(config.output_dir) / 'results.json'}"
+    )
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from .recipes.quickstart import run_quickstart
 
-    run_quickstart(args.output_dir, steps=args.steps, overrides=args.set)
+    run_quickstart(args.output_dir, steps=args.steps, rl_steps=args.rl_steps, overrides=args.set)
     return 0
 
 
@@ -119,10 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffusion-rl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("quickstart", help="train and evaluate the built-in task on CPU in minutes")
+    p = sub.add_parser("quickstart", help="SFT then GRPO on the built-in task, on CPU, in minutes")
     p.add_argument("--output-dir", default="runs/quickstart")
     p.add_argument("--steps", type=int, default=None, help="SFT steps (default: the quickstart's)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    p.add_argument(
+        "--rl-steps", type=int, default=None, help="GRPO steps (default: the quickstart's)"
+    )
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override sft.KEY or grpo.KEY"
+    )
     p.set_defaults(func=cmd_quickstart)
 
     p = sub.add_parser("sft", help="masked-diffusion SFT from a YAML config")
@@ -135,8 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_sft)
 
+    p = sub.add_parser("grpo", help="GRPO / DAPO / Dr.GRPO from a YAML config (policy.algorithm)")
+    p.add_argument("--config", help="YAML file (omit for all defaults)")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. policy.algorithm=dapo",
+    )
+    p.set_defaults(func=cmd_grpo)
+
     p = sub.add_parser("generate", help="sample completions from a saved model")
-    p.add_argument("--model", required=True, help="a model directory (e.g. runs/quickstart/model)")
+    p.add_argument(
+        "--model", required=True, help="a model directory (e.g. runs/quickstart/grpo/model)"
+    )
     p.add_argument("--prompt", required=True, action="append", help="repeat for a batch")
     p.add_argument("--length", type=int, help="generation length (default: the model's task)")
     p.add_argument("--seed", type=int, default=0)

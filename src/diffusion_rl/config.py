@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .objectives.grpo import PolicyLossConfig
 from .objectives.sft import MaskedDiffusionSFTConfig
 from .sampling.token import TokenSamplerConfig
 from .tasks import TASKS
@@ -171,3 +172,66 @@ def load_config(
             )
         data, source = loaded, str(path)
     return build_config(cls, merge_dicts(data, parse_overrides(overrides)), source)
+
+
+class RewardSection(BaseModel):
+    """One reward term: ``name`` from the reward registry, its ``weight`` and options."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "verifier"
+    weight: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    options: dict[str, Any] = {}
+
+
+class PolicyModelSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = "runs/quickstart/sft/model"
+
+
+class GRPORecipeConfig(BaseModel):
+    """``diffusion-rl grpo``: GRPO / DAPO / Dr.GRPO on captured token traces."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str = "runs/grpo"
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = Field(default=None, gt=0)
+    task: TaskSection = TaskSection()
+    model: PolicyModelSection = PolicyModelSection()
+    policy: PolicyLossConfig = PolicyLossConfig()
+    scorer: Literal["exact", "packed", "mean_field", "coupled", "elbo"] = "exact"
+    rewards: list[RewardSection] = [RewardSection()]
+    sampler: TokenSamplerConfig = TokenSamplerConfig(temperature=1.0)
+    eval_temperature: float = Field(default=0.0, ge=0.0)
+    optim: OptimConfig = OptimConfig(lr=3e-4, grad_clip=1.0)
+    steps: int = Field(default=200, gt=0)
+    prompts_per_step: int = Field(default=16, gt=0)
+    group_size: int = Field(default=8, gt=1)
+    micro_batch_size: int | None = Field(default=None, gt=0)
+    post_stop_weight: float = Field(default=1.0, ge=0.0)
+    max_sampling_rounds: int = Field(default=4, gt=0)
+    allow_off_policy: bool = False
+    sequence_packing: bool = False
+    offload_device: str | None = None
+    precision: Literal["fp32", "bf16"] = "fp32"
+    activation_checkpointing: bool = False
+    eval_every: int = Field(default=25, gt=0)
+    eval_examples: int = Field(default=256, gt=0)
+    checkpoint_every: int = Field(default=50, gt=0)
+    keep_last: int = Field(default=2, gt=0)
+    log_every: int = Field(default=1, gt=0)
+    resume: bool = True
+
+    @model_validator(mode="after")
+    def _fail_closed(self) -> GRPORecipeConfig:
+        if self.sequence_packing:
+            raise ValueError(
+                "sequence_packing: not supported for diffusion traces (each row's canvas is "
+                "replayed exactly; packing rows would mix their attention); set it to false"
+            )
+        if not self.rewards:
+            raise ValueError("rewards: expected at least one reward term")
+        return self

@@ -60,6 +60,55 @@ class TokenTrace:
         seen = is_stop.long().cumsum(1)
         return self.sampled & ((seen - is_stop.long()) > 0)
 
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @staticmethod
+    def concat(traces: list[TokenTrace]) -> TokenTrace:
+        """Rows of several traces of one rollout; settings, kernels and version must agree."""
+        if not traces:
+            raise ValueError("TokenTrace.concat: expected at least one trace, got none")
+        first = traces[0]
+        for k, trace in enumerate(traces[1:], start=1):
+            for name in ("sampler", "kernel_ids", "weights_version", "stop_token_id", "model_info"):
+                if getattr(trace, name) != getattr(first, name):
+                    raise ValueError(
+                        f"TokenTrace.concat: trace {k} has {name}={getattr(trace, name)!r}, "
+                        f"trace 0 has {getattr(first, name)!r}; one rollout batch has one setting"
+                    )
+            for name in ("prompt_ids", "tokens"):
+                if getattr(trace, name).shape[1:] != getattr(first, name).shape[1:]:
+                    raise ValueError(
+                        f"TokenTrace.concat: trace {k} has {name} of shape "
+                        f"{tuple(getattr(trace, name).shape)}, trace 0 {tuple(getattr(first, name).shape)}"
+                    )
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(t, name) for t in traces])
+
+        return TokenTrace(
+            prompt_ids=cat("prompt_ids"),
+            prompt_mask=cat("prompt_mask"),
+            tokens=cat("tokens"),
+            commit_steps=cat("commit_steps"),
+            behaviour_logprobs=cat("behaviour_logprobs"),
+            seeds=cat("seeds"),
+            sampler=first.sampler,
+            kernel_ids=first.kernel_ids,
+            weights_version=first.weights_version,
+            stop_token_id=first.stop_token_id,
+            model_info=first.model_info,
+        )
+
+    def lengths(self) -> torch.Tensor:
+        """Long ``[B]``: tokens up to and including the first stop token (L if none)."""
+        length = self.tokens.shape[1]
+        if self.stop_token_id is None:
+            return torch.full((len(self),), length, dtype=torch.long)
+        is_stop = (self.tokens == self.stop_token_id) & self.sampled
+        first = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, length)
+        return first.long()
+
     def prepare(self, post_stop_weight: float = 1.0) -> DiffusionTokenBatch:
         """The batch the learner scores: every sampled slot is an action (weight 1), slots after
         the stop token weigh ``post_stop_weight`` (1 = full trace), unsampled slots 0.

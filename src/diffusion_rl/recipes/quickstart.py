@@ -1,39 +1,101 @@
-"""Recipe: the out-of-the-box run. Masked-diffusion SFT of the built-in block-causal
-transformer on 3-digit addition, then an evaluation with the serving sampler; prints the
-accuracy and sample completions and writes ``results.json`` — a few minutes on a laptop CPU.
+"""Recipe: the out-of-the-box run, SFT → GRPO on the built-in task, on a laptop CPU.
+
+1. masked-diffusion SFT of the built-in block-causal transformer on 3-digit addition
+   (``OUT/sft``), evaluated with the serving sampler;
+2. GRPO from that checkpoint with exact trace replay (``OUT/grpo``), evaluated again;
+
+then a before/after table, sample completions, ``OUT/results.json`` and the curves
+(``OUT/sft/curves.png``, ``OUT/grpo/curves.png`` with the reward curve).
+``--set sft.KEY=VALUE`` / ``--set grpo.KEY=VALUE`` override either stage's config.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from ..config import SFTRecipeConfig, build_config, merge_dicts, parse_overrides
+from ..config import GRPORecipeConfig, SFTRecipeConfig, build_config, merge_dicts, parse_overrides
 from ..evaluation import format_samples
+from .grpo import run_grpo
 from .sft import run_sft
 
-QUICKSTART_STEPS = 2000
+QUICKSTART_SFT_STEPS = 2000
+QUICKSTART_GRPO_STEPS = 300
 
 
 def run_quickstart(
     output_dir: str = "runs/quickstart",
     steps: int | None = None,
+    rl_steps: int | None = None,
     overrides: list[str] | None = None,
 ) -> dict:
-    data = {"output_dir": output_dir, "steps": steps or QUICKSTART_STEPS, "eval_every": 500}
-    data = merge_dicts(data, parse_overrides(overrides))
-    config = build_config(SFTRecipeConfig, data, "quickstart")
-    print(f"diffusion-rl quickstart: SFT for {config.steps} steps into {config.output_dir}")
-    results = run_sft(config)
-    print()
-    print(
-        f"held-out accuracy after SFT: {results['eval']['accuracy']:.1%} on {results['eval']['num_examples']} problems"
+    out = Path(output_dir)
+    extra = parse_overrides(overrides)
+    unknown = sorted(set(extra) - {"sft", "grpo"})
+    if unknown:
+        raise ValueError(f"quickstart --set: keys must start with sft. or grpo., got {unknown}")
+    sft_config = build_config(
+        SFTRecipeConfig,
+        merge_dicts(
+            {"output_dir": str(out / "sft"), "steps": steps or QUICKSTART_SFT_STEPS},
+            extra.get("sft", {}),
+        ),
+        "quickstart sft",
     )
-    print("samples (prompt → completion):")
-    print(format_samples(results["eval"]["samples"]))
-    out = Path(config.output_dir)
-    print(f"\nmetrics: {out / 'results.json'} (summary), {out / 'metrics.jsonl'} (per step)")
-    print(f"curves:  {out / 'curves.png'}")
-    print(
-        f"model:   {out / 'model'}  — try: diffusion-rl generate --model {out / 'model'} --prompt 123+456="
+    grpo_config = build_config(
+        GRPORecipeConfig,
+        merge_dicts(
+            {
+                "output_dir": str(out / "grpo"),
+                "steps": rl_steps or QUICKSTART_GRPO_STEPS,
+                "model": {"path": str(out / "sft" / "model")},
+                "eval_examples": sft_config.eval_examples,
+            },
+            extra.get("grpo", {}),
+        ),
+        "quickstart grpo",
     )
-    return results
+    print(f"diffusion-rl quickstart → {out}")
+    print(f"[1/2] masked-diffusion SFT, {sft_config.steps} steps")
+    sft = run_sft(sft_config)
+    print(f"      held-out accuracy {sft['eval']['accuracy']:.1%}")
+    print(
+        f"[2/2] {grpo_config.policy.algorithm.upper()} with exact trace replay, {grpo_config.steps} steps"
+    )
+    grpo = run_grpo(grpo_config)
+
+    rows = [
+        ("after SFT", sft["eval"]["accuracy"], sft["elapsed_s"]),
+        (
+            f"after {grpo_config.policy.algorithm.upper()}",
+            grpo["accuracy_after"],
+            grpo["elapsed_s"],
+        ),
+    ]
+    print("\n  stage          held-out accuracy   time")
+    for name, accuracy, seconds in rows:
+        print(f"  {name:<14} {accuracy:>17.1%}   {seconds:>5.0f} s")
+    print("\nsamples after RL (prompt → completion):")
+    print(format_samples(grpo["eval"]["samples"]))
+    summary = {
+        "sft": {
+            "accuracy": sft["eval"]["accuracy"],
+            "elapsed_s": sft["elapsed_s"],
+            "steps": sft["steps"],
+        },
+        "grpo": {
+            "accuracy_before": grpo["accuracy_before"],
+            "accuracy_after": grpo["accuracy_after"],
+            "elapsed_s": grpo["elapsed_s"],
+            "steps": grpo["steps"],
+        },
+        "model_dir": grpo["model_dir"],
+    }
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(
+        f"\nresults: {out / 'results.json'}; curves: {out / 'sft' / 'curves.png'}, {out / 'grpo' / 'curves.png'}"
+    )
+    print(
+        f"model:   {grpo['model_dir']}  — try: diffusion-rl generate --model {grpo['model_dir']} --prompt 123+456="
+    )
+    return summary

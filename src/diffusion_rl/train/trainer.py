@@ -330,6 +330,11 @@ class Trainer:
             norm = torch.linalg.vector_norm(torch.stack(norms))
         return float(norm)
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision context of the live pass; score old/reference policies under it too
+        so that they run the same kernels."""
+        return self._autocast()
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "bf16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
