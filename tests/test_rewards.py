@@ -315,7 +315,7 @@ def test_task_verifier_matches_python_arithmetic():
 
 # ---------------------------------------------------------------------------- registry
 def test_get_reward_registry():
-    assert sorted(REWARDS) == ["countdown", "math", "sudoku", "verifier"]
+    assert sorted(REWARDS) == ["countdown", "digits", "math", "sudoku", "verifier"]
     assert isinstance(get_reward("countdown", use_all=True), CountdownReward)
     assert get_reward("countdown", use_all=True).use_all
     assert get_reward("sudoku", mode="cells").mode == "cells"
@@ -380,3 +380,20 @@ def test_math_reward_thread_rule():
         results["signals"]
     )
     assert results["plain"] == [1.0]
+
+
+def test_digit_reward_partial_credit_right_aligned():
+    from diffusion_rl.rewards import TaskDigitReward
+    from diffusion_rl.tasks import ArithmeticTask, Example
+
+    task = ArithmeticTask()
+    example = Example(prompt="387+27=", answer="414", a=387, op="+", b=27)
+    reward = get_reward("digits", task=task)
+    assert isinstance(reward, TaskDigitReward) and reward.name == "arithmetic_digits"
+    got = reward(["414", "419", "14", "1414", "x", "0414"], [example] * 6).tolist()
+    # right-aligned: 419 → 2/3; 14 → 2/3 (missing hundreds); 1414 → 3/4; garbage 0; leading zero ok
+    assert got == pytest.approx([1.0, 2 / 3, 2 / 3, 3 / 4, 0.0, 1.0])
+    verifier = task.rewards(["414", "419"], [example] * 2).tolist()
+    assert verifier == [1.0, 0.0]
+    with pytest.raises(TypeError, match="no digit_reward"):
+        TaskDigitReward(object())

@@ -597,8 +597,25 @@ class MathAnswerReward:
 
 
 # ---------------------------------------------------------------------------- registry
+class TaskDigitReward:
+    """Partial credit from a task's ``digit_reward(text, example)`` (a denser signal than the
+    exact verifier for arithmetic), named ``f"{task.name}_digits"``."""
+
+    def __init__(self, task: Any) -> None:
+        if not callable(getattr(task, "digit_reward", None)):
+            raise TypeError(f"task: {type(task).__name__} has no digit_reward(text, example)")
+        self.task = task
+        self.name = f"{task.name}_digits"
+
+    def __call__(self, completions: Sequence[str], examples: Sequence[Any]) -> torch.Tensor:
+        _check_batch(self.name, completions, examples)
+        scores = [self.task.digit_reward(c, e) for c, e in zip(completions, examples)]
+        return torch.tensor(scores, dtype=torch.float32)
+
+
 REWARDS: dict[str, Callable[..., RewardFunction]] = {
     "verifier": TaskVerifierReward,
+    "digits": TaskDigitReward,
     "countdown": CountdownReward,
     "sudoku": SudokuReward,
     "math": MathAnswerReward,
@@ -608,7 +625,7 @@ REWARDS: dict[str, Callable[..., RewardFunction]] = {
 def get_reward(name: str, **options: Any) -> RewardFunction:
     """The reward registered as ``name``, built with ``options``.
 
-    ``"verifier"`` needs ``task=...``; ``"countdown"`` takes ``use_all``, ``format_score``,
+    ``"verifier"`` and ``"digits"`` need ``task=...``; ``"countdown"`` takes ``use_all``, ``format_score``,
     ``max_chars``; ``"sudoku"`` takes ``mode``; ``"math"`` takes ``timeout_seconds``.
 
     Raises:

@@ -44,7 +44,7 @@ def build_rewards(config: GRPORecipeConfig, task) -> CombinedReward:
     terms = []
     for section in config.rewards:
         options = dict(section.options)
-        if section.name == "verifier":
+        if section.name in ("verifier", "digits"):
             options["task"] = task
         terms.append((get_reward(section.name, **options), section.weight))
     return CombinedReward(terms)

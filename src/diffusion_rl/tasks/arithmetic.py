@@ -255,6 +255,18 @@ class ArithmeticTask:
             return 0.0
         return 1.0 if int(text) == example.result else 0.0
 
+    def digit_reward(self, completion_text: str, example: Example) -> float:
+        """Partial credit: the fraction of answer characters right, aligned from the right
+        (units with units), over the longer of answer and completion; 0.0 for unparsable text.
+        1.0 exactly when :meth:`reward` is 1.0 (up to leading zeros)."""
+        text = completion_text.split(_EOS_TEXT, 1)[0].strip()
+        if not _ANSWER.fullmatch(text):
+            return 0.0
+        predicted, answer = str(int(text)), str(example.result)
+        width = max(len(predicted), len(answer))
+        matches = sum(p == a for p, a in zip(predicted.rjust(width), answer.rjust(width)))
+        return matches / width
+
     def rewards(self, texts: Sequence[str], examples: Sequence[Example]) -> torch.Tensor:
         """float32 ``[B]`` of :meth:`reward` per (text, example) pair."""
         if len(texts) != len(examples):
