@@ -238,3 +238,14 @@ def test_quickstart_runs_sft_then_grpo(tmp_path, capsys):
     assert saved["grpo"]["accuracy_before"] == saved["sft"]["accuracy"]  # same eval, same model
     with pytest.raises(ValueError, match="keys must start with sft. or grpo."):
         run_quickstart(str(tmp_path / "x"), overrides=["steps=3"])
+
+
+def test_shipped_grpo_config_matches_the_defaults():
+    from pathlib import Path
+
+    from diffusion_rl.config import GRPORecipeConfig
+
+    shipped = load_config(
+        Path(__file__).parents[1] / "configs" / "grpo_arithmetic.yaml", GRPORecipeConfig
+    )
+    assert shipped == GRPORecipeConfig()
