@@ -218,3 +218,30 @@ def test_overlong_shaping_is_counted_in_tokens():
     lengths = rollout.trace.lengths().float()
     expected = torch.clamp(-(lengths - 2) / 2, max=0.0)
     assert torch.equal(rollout.reward_parts["overlong"], expected)
+
+
+def test_roles_snapshot_reference_and_offload():
+    model = tiny_model("block_causal", vocab=16)
+    roles = PolicyRoles(model, reference=True, offload_device="cpu")
+    assert roles.version == 0 and not any(p.requires_grad for p in roles.reference.parameters())
+    with pytest.raises(RuntimeError, match="take_snapshot"):
+        roles.snapshot  # noqa: B018
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    snapshot = roles.take_snapshot()
+    assert roles.snapshot_version == 0
+    assert torch.equal(next(snapshot.parameters()), next(model.parameters()))
+    assert not torch.equal(next(roles.reference.parameters()), next(model.parameters()))
+    assert not torch.equal(next(roles.rollout.parameters()), next(model.parameters()))
+    assert roles.sync_rollout() == 1
+    assert torch.equal(next(roles.rollout.parameters()), next(model.parameters()))
+    with roles.on_compute(roles.reference) as ref:
+        assert next(ref.parameters()).device == next(model.parameters()).device
+    policy = PolicyLossConfig(num_iterations=2, beta=0.04)
+    learner = PolicyLearner(
+        PolicyRoles(tiny_model("block_causal", vocab=16), offload_device="cpu"),
+        PolicyLoss(policy),
+        lambda m, f: Trainer(m, f, OptimConfig(lr=1e-2)),
+    )
+    metrics = learner.step(rollout_for(learner, policy, reward_fn=spread_rewards()))
+    assert metrics["policy/ratio_mean@iter0"] == 1.0 and metrics["weights_version"] == 1.0

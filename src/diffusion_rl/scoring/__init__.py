@@ -1,5 +1,26 @@
-"""Scoring traces: exact replay of the actions a sampler took."""
+"""Scoring traces: exact replay of the actions a sampler took (dense or packed), and the
+approximate estimators used as baselines."""
 
+from .estimators import (
+    SCORERS,
+    CoupledEstimator,
+    ELBOEstimator,
+    MeanFieldEstimator,
+    TraceScorer,
+    make_scorer,
+)
+from .packed import PackedReplayScorer
 from .replay import ReplayScorer, ReplayScores, masked_entropy
 
-__all__ = ["ReplayScorer", "ReplayScores", "masked_entropy"]
+__all__ = [
+    "SCORERS",
+    "CoupledEstimator",
+    "ELBOEstimator",
+    "MeanFieldEstimator",
+    "PackedReplayScorer",
+    "ReplayScorer",
+    "ReplayScores",
+    "TraceScorer",
+    "make_scorer",
+    "masked_entropy",
+]
