@@ -228,7 +228,6 @@ def test_quickstart_runs_sft_then_grpo(tmp_path, capsys):
         "grpo.prompts_per_step=2",
         "grpo.group_size=4",
         "grpo.eval_examples=8",
-        "grpo.task.num_digits=2",
     ]
     summary = run_quickstart(str(tmp_path / "qs"), steps=4, rl_steps=2, overrides=overrides)
     out = capsys.readouterr().out

@@ -199,14 +199,14 @@ class GRPORecipeConfig(BaseModel):
     seed: int = 0
     device: str = "cpu"
     threads: int | None = Field(default=None, gt=0)
-    task: TaskSection = TaskSection()
+    task: TaskSection | None = None  # null: the task recorded in the model directory
     model: PolicyModelSection = PolicyModelSection()
     policy: PolicyLossConfig = PolicyLossConfig()
     scorer: Literal["exact", "packed", "mean_field", "coupled", "elbo"] = "exact"
     rewards: list[RewardSection] = [RewardSection()]
     sampler: TokenSamplerConfig = TokenSamplerConfig(temperature=1.0)
     eval_temperature: float = Field(default=0.0, ge=0.0)
-    optim: OptimConfig = OptimConfig(lr=3e-4, grad_clip=1.0)
+    optim: OptimConfig = OptimConfig(lr=1e-4, grad_clip=1.0)
     steps: int = Field(default=200, gt=0)
     prompts_per_step: int = Field(default=16, gt=0)
     group_size: int = Field(default=8, gt=1)

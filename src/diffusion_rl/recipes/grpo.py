@@ -50,6 +50,28 @@ def build_rewards(config: GRPORecipeConfig, task) -> CombinedReward:
     return CombinedReward(terms)
 
 
+def build_task(config: GRPORecipeConfig, model_info: dict):
+    """The configured task, or (``task: null``) the task the model was trained on."""
+    if config.task is None:
+        if "task" not in model_info:
+            raise ConfigError(
+                f"task: {config.model.path} does not record its task; set task.name and its options"
+            )
+        options = dict(model_info["task"])
+        name = options.pop("name")
+        if options.get("block_size", config.sampler.block_size) != config.sampler.block_size:
+            raise ConfigError(
+                f"sampler.block_size: the model was trained with blocks of {options['block_size']}, "
+                f"got {config.sampler.block_size}"
+            )
+        options["block_size"] = config.sampler.block_size
+        return get_task(name, **options)
+    options = config.task.options()
+    if "block_size" in options:
+        raise ConfigError("task.block_size: set sampler.block_size instead")
+    return get_task(config.task.name, block_size=config.sampler.block_size, **options)
+
+
 def run_grpo(config: GRPORecipeConfig, echo: Callable[[str], None] = print) -> dict[str, Any]:
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -57,10 +79,7 @@ def run_grpo(config: GRPORecipeConfig, echo: Callable[[str], None] = print) -> d
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_model_dir(config.model.path)
-    options = config.task.options()
-    if "block_size" in options:
-        raise ConfigError("task.block_size: set sampler.block_size instead")
-    task = get_task(config.task.name, block_size=config.sampler.block_size, **options)
+    task = build_task(config, loaded.info)
     if loaded.tokenizer.name != task.tokenizer.name:
         raise ConfigError(
             f"model.path: {config.model.path} uses tokenizer {loaded.tokenizer.name}, the task {task.tokenizer.name}"

@@ -1,6 +1,6 @@
 """Recipe: the out-of-the-box run, SFT → GRPO on the built-in task, on a laptop CPU.
 
-1. masked-diffusion SFT of the built-in block-causal transformer on 3-digit addition
+1. masked-diffusion SFT of the built-in block-causal transformer on 2-digit addition
    (``OUT/sft``), evaluated with the serving sampler;
 2. GRPO from that checkpoint with exact trace replay (``OUT/grpo``), evaluated again;
 
@@ -19,8 +19,9 @@ from ..evaluation import format_samples
 from .grpo import run_grpo
 from .sft import run_sft
 
-QUICKSTART_SFT_STEPS = 2000
-QUICKSTART_GRPO_STEPS = 300
+QUICKSTART_SFT_STEPS = 1500
+QUICKSTART_GRPO_STEPS = 100
+QUICKSTART_TASK = {"name": "arithmetic", "num_digits": 2}
 
 
 def run_quickstart(
@@ -96,6 +97,6 @@ def run_quickstart(
         f"\nresults: {out / 'results.json'}; curves: {out / 'sft' / 'curves.png'}, {out / 'grpo' / 'curves.png'}"
     )
     print(
-        f"model:   {grpo['model_dir']}  — try: diffusion-rl generate --model {grpo['model_dir']} --prompt 123+456="
+        f"model:   {grpo['model_dir']}  — try: diffusion-rl generate --model {grpo['model_dir']} --prompt 12+34="
     )
     return summary
