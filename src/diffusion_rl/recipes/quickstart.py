@@ -38,7 +38,11 @@ def run_quickstart(
     sft_config = build_config(
         SFTRecipeConfig,
         merge_dicts(
-            {"output_dir": str(out / "sft"), "steps": steps or QUICKSTART_SFT_STEPS},
+            {
+                "output_dir": str(out / "sft"),
+                "steps": steps or QUICKSTART_SFT_STEPS,
+                "task": QUICKSTART_TASK,
+            },
             extra.get("sft", {}),
         ),
         "quickstart sft",
