@@ -31,16 +31,15 @@ precede its actions in later blocks. :func:`packed_layout` checks it and refuses
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 
 from ..contracts import DiffusionTokenBatch, validate_diffusion_logits
-from ..kernels import KERNELS, Kernel
+from ..kernels import Kernel
 from ..models.protocol import TokenDenoiser
-from .replay import REQUIRED_INPUTS, ReplayScores, masked_entropy
+from .replay import ChunkedReplay, ReplayScores, masked_entropy
 
 
 def score_actions(
@@ -175,7 +174,7 @@ def packed_layout(
     )
 
 
-class PackedReplayScorer:
+class PackedReplayScorer(ChunkedReplay):
     """Exact replay of prepared token traces in one forward per chunk (block-causal models).
 
     Same contract as :class:`~diffusion_rl.scoring.ReplayScorer`: ``score(batch)`` returns
@@ -191,20 +190,9 @@ class PackedReplayScorer:
     dense replay.
     """
 
-    def __init__(
-        self,
-        model: TokenDenoiser,
-        *,
-        temperature: float,
-        compute_entropy: bool = False,
-        stop_gradient: bool = False,
-        micro_batch_size: int | None = None,
-        kernel_id: str | None = None,
-    ) -> None:
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature: expected a finite value >= 0, got {temperature}")
-        if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size: expected >= 1 or None, got {micro_batch_size}")
+    kind = "packed replay"
+
+    def __init__(self, model: TokenDenoiser, **settings) -> None:
         if model.attention != "block_causal" or getattr(model, "block_size", None) is None:
             raise ValueError(
                 f"PackedReplayScorer: packed replay needs a block_causal model, got attention="
@@ -215,12 +203,7 @@ class PackedReplayScorer:
                 f"PackedReplayScorer: {type(model).__name__} has no forward_packed(input_ids, "
                 "position_ids, allowed); use ReplayScorer (dense replay) for this model"
             )
-        self.model = model
-        self.temperature = temperature
-        self.compute_entropy = compute_entropy
-        self.stop_gradient = stop_gradient
-        self.micro_batch_size = micro_batch_size
-        self.logprob_kernel = KERNELS.resolve("token_logprobs", prefer=kernel_id)
+        super().__init__(model, **settings)
 
     @classmethod
     def for_trace(cls, model: TokenDenoiser, trace, **options) -> PackedReplayScorer:
@@ -231,21 +214,6 @@ class PackedReplayScorer:
             kernel_id=trace.kernel_ids["token_logprobs"],
             **options,
         )
-
-    def score(self, batch: DiffusionTokenBatch) -> ReplayScores:
-        missing = [k for k in REQUIRED_INPUTS if k not in batch.model_inputs]
-        if missing:
-            raise ValueError(
-                f"model_inputs: packed replay needs {list(REQUIRED_INPUTS)}, missing {missing}; "
-                "build the batch with TokenTrace.prepare()"
-            )
-        chunks = batch.split(self.micro_batch_size or batch.batch_size)
-        context = torch.no_grad() if self.stop_gradient else contextlib.nullcontext()
-        with context:
-            parts = [self._score_chunk(chunk) for chunk in chunks]
-        logprobs = torch.cat([p.logprobs for p in parts])
-        entropy = torch.cat([p.entropy for p in parts]) if self.compute_entropy else None
-        return ReplayScores(logprobs, entropy)
 
     def _score_chunk(self, batch: DiffusionTokenBatch) -> ReplayScores:
         inputs = batch.model_inputs

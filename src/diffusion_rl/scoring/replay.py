@@ -44,17 +44,11 @@ def masked_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return -p_logp.sum(-1)
 
 
-class ReplayScorer:
-    """Scores prepared token traces with ``model`` at the rollout's temperature.
+class ChunkedReplay:
+    """What the exact scorers share: settings checks, kernel pinning, micro-batching and
+    stop-gradient; subclasses implement ``_score_chunk(batch) -> ReplayScores``."""
 
-    ``stop_gradient=True`` scores without building a graph (reference / old policy);
-    ``micro_batch_size`` bounds how many rows run per forward; ``kernel_id`` pins the
-    log-prob kernel recorded in the trace (refused, by name, when unavailable); ``use_cache``
-    (default: on for block-causal models, like the sampler) walks the blocks through the block
-    KV cache, so a replay of the sampler's batch runs the sampler's exact computation.
-
-    :meth:`for_trace` builds a scorer with the settings a trace recorded.
-    """
+    kind = "replay"
 
     def __init__(
         self,
@@ -65,7 +59,6 @@ class ReplayScorer:
         stop_gradient: bool = False,
         micro_batch_size: int | None = None,
         kernel_id: str | None = None,
-        use_cache: bool | None = None,
     ) -> None:
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature: expected a finite value >= 0, got {temperature}")
@@ -77,6 +70,42 @@ class ReplayScorer:
         self.stop_gradient = stop_gradient
         self.micro_batch_size = micro_batch_size
         self.logprob_kernel = KERNELS.resolve("token_logprobs", prefer=kernel_id)
+
+    def score(self, batch: DiffusionTokenBatch) -> ReplayScores:
+        missing = [k for k in REQUIRED_INPUTS if k not in batch.model_inputs]
+        if missing:
+            raise ValueError(
+                f"model_inputs: {self.kind} needs {list(REQUIRED_INPUTS)}, missing {missing}; "
+                "build the batch with TokenTrace.prepare()"
+            )
+        chunks = batch.split(self.micro_batch_size or batch.batch_size)
+        context = torch.no_grad() if self.stop_gradient else contextlib.nullcontext()
+        with context:
+            parts = [self._score_chunk(chunk) for chunk in chunks]
+        logprobs = torch.cat([p.logprobs for p in parts])
+        entropy = torch.cat([p.entropy for p in parts]) if self.compute_entropy else None
+        return ReplayScores(logprobs, entropy)
+
+    def _score_chunk(self, batch: DiffusionTokenBatch) -> ReplayScores:
+        raise NotImplementedError
+
+
+class ReplayScorer(ChunkedReplay):
+    """Scores prepared token traces with ``model`` at the rollout's temperature.
+
+    ``stop_gradient=True`` scores without building a graph (reference / old policy);
+    ``micro_batch_size`` bounds how many rows run per forward; ``kernel_id`` pins the
+    log-prob kernel recorded in the trace (refused, by name, when unavailable); ``use_cache``
+    (default: on for block-causal models, like the sampler) walks the blocks through the block
+    KV cache, so a replay of the sampler's batch runs the sampler's exact computation.
+
+    :meth:`for_trace` builds a scorer with the settings a trace recorded.
+    """
+
+    kind = "exact replay"
+
+    def __init__(self, model: TokenDenoiser, *, use_cache: bool | None = None, **settings) -> None:
+        super().__init__(model, **settings)
         cacheable = model.attention == "block_causal" and hasattr(model, "forward_block")
         if use_cache and not cacheable:
             raise ValueError(
@@ -94,21 +123,6 @@ class ReplayScorer:
             use_cache=bool(trace.sampler.get("use_cache")),
             **options,
         )
-
-    def score(self, batch: DiffusionTokenBatch) -> ReplayScores:
-        missing = [k for k in REQUIRED_INPUTS if k not in batch.model_inputs]
-        if missing:
-            raise ValueError(
-                f"model_inputs: exact replay needs {list(REQUIRED_INPUTS)}, missing {missing}; "
-                "build the batch with TokenTrace.prepare()"
-            )
-        chunks = batch.split(self.micro_batch_size or batch.batch_size)
-        context = torch.no_grad() if self.stop_gradient else contextlib.nullcontext()
-        with context:
-            parts = [self._score_chunk(chunk) for chunk in chunks]
-        logprobs = torch.cat([p.logprobs for p in parts])
-        entropy = torch.cat([p.entropy for p in parts]) if self.compute_entropy else None
-        return ReplayScores(logprobs, entropy)
 
     def _score_chunk(self, batch: DiffusionTokenBatch) -> ReplayScores:
         inputs = batch.model_inputs
