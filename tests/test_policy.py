@@ -245,3 +245,14 @@ def test_roles_snapshot_reference_and_offload():
     )
     metrics = learner.step(rollout_for(learner, policy, reward_fn=spread_rewards()))
     assert metrics["policy/ratio_mean@iter0"] == 1.0 and metrics["weights_version"] == 1.0
+
+
+@pytest.mark.parametrize("scorer", ["exact", "packed", "mean_field", "coupled", "elbo"])
+def test_every_scorer_drives_a_full_step(scorer):
+    policy = PolicyLossConfig(algorithm="grpo", num_iterations=2, beta=0.04)
+    learner = learner_for(policy, scorer=scorer)
+    metrics = learner.step(rollout_for(learner, policy, reward_fn=spread_rewards()))
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["weights_version"] == 1.0
+    if scorer in ("exact", "packed"):
+        assert metrics["policy/ratio_mean@iter0"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["policy/parity_max_abs@iter0"] <= 1e-5

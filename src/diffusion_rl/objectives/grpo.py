@@ -146,11 +146,14 @@ def overlong_penalty(
 
 
 def kl_per_action(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """k1 ``ℓ − ℓref``, k2 ``½(ℓ − ℓref)²``, k3 ``exp(ℓref − ℓ) − (ℓref − ℓ) − 1`` (its log-ratio
+    clamped to ±20 like the policy ratio, so a noisy estimator cannot overflow the exp)."""
     diff = ref_logp - logp
     if estimator == "k1":
         return -diff
     if estimator == "k2":
         return 0.5 * diff.square()
+    diff = torch.clamp(diff, -MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(diff) - diff - 1.0
 
 

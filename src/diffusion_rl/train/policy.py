@@ -13,7 +13,7 @@ For a rollout sampled with rollout weights v (the trace says which):
 Scoring goes through one scorer family for all three policies (exact replay by default, or
 packed replay / an approximate estimator for ablations), so live, reference and old policy
 always see the same states. Stochastic estimators draw from a generator keyed by
-(step, inner iteration, micro-batch), shared by the three passes.
+(rollout step, micro-batch), shared by the three passes and all inner iterations.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from ..rollout import RolloutBatch
 from ..scoring.estimators import make_scorer
 from .roles import PolicyRoles
 from .trainer import Trainer
+
+EXACT_SCORERS = ("exact", "packed")
+
 
 EXACT_SCORERS = ("exact", "packed")
 
@@ -64,22 +67,23 @@ class PolicyLearner:
         self.trainer: Trainer = trainer_factory(roles.actor, self._loss_fn)
         self._settings: dict = {}
         self._iteration = 0
+        self._rollout_step = 0
 
     # ----------------------------------------------------------------- scoring
     def _scorer(self, model, *, live: bool):
-        return make_scorer(
-            self.scorer_name,
-            model,
-            stop_gradient=not live,
-            compute_entropy=live and self.compute_entropy,
-            **self._settings,
-        )
+        options = dict(self._settings)
+        if self.scorer_name in EXACT_SCORERS:
+            options.update(stop_gradient=not live, compute_entropy=live and self.compute_entropy)
+        else:  # approximate estimators: no kernel pinning, no entropy (frozen passes run under no_grad)
+            options.pop("kernel_id")
+        return make_scorer(self.scorer_name, model, **options)
 
     def _generator(self, micro_index: int) -> torch.Generator:
-        key = (
-            (self.seed * 1_000_003 + self.trainer.global_step) * 64 + self._iteration
-        ) * 4096 + micro_index
-        return torch.Generator().manual_seed(key)
+        """Draws of stochastic estimators, keyed by (rollout step, micro-batch): the live pass
+        of every inner iteration and the frozen passes see the same masks."""
+        return torch.Generator().manual_seed(
+            (self.seed * 1_000_003 + self._rollout_step) * 4096 + micro_index
+        )
 
     def _loss_fn(self, model, micro_batch: DiffusionTokenBatch, _generator):
         index = int(micro_batch.model_inputs["micro_index"][0])
@@ -114,6 +118,7 @@ class PolicyLearner:
             for i, mb in enumerate(micro)
         ]
         cfg = self.loss.config
+        self._rollout_step = self.trainer.global_step // cfg.num_iterations
         metrics: dict[str, float] = {}
         for self._iteration in range(cfg.num_iterations):
             if self._iteration == 0:
