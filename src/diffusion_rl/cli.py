@@ -143,25 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_quickstart)
 
-    p = sub.add_parser("sft", help="masked-diffusion SFT from a YAML config")
-    p.add_argument("--config", help="YAML file (omit for all defaults)")
-    p.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. optim.lr=3e-4",
-    )
-    p.set_defaults(func=cmd_sft)
-
-    p = sub.add_parser("grpo", help="GRPO / DAPO / Dr.GRPO from a YAML config (policy.algorithm)")
-    p.add_argument("--config", help="YAML file (omit for all defaults)")
-    p.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. policy.algorithm=dapo",
-    )
-    p.set_defaults(func=cmd_grpo)
+    for name, run, help_text, example in (
+        ("sft", cmd_sft, "masked-diffusion SFT from a YAML config", "optim.lr=3e-4"),
+        ("grpo", cmd_grpo, "GRPO / DAPO / Dr.GRPO from a YAML config", "policy.algorithm=dapo"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", help="YAML file (omit for all defaults)")
+        p.add_argument(
+            "--set",
+            action="append",
+            metavar="KEY=VALUE",
+            help=f"override a config key, e.g. {example}",
+        )
+        p.set_defaults(func=run)
 
     p = sub.add_parser("generate", help="sample completions from a saved model")
     p.add_argument(
