@@ -256,3 +256,26 @@ def test_every_scorer_drives_a_full_step(scorer):
     if scorer in ("exact", "packed"):
         assert metrics["policy/ratio_mean@iter0"] == pytest.approx(1.0, abs=1e-6)
         assert metrics["policy/parity_max_abs@iter0"] <= 1e-5
+
+
+def test_grpo_learns_a_simple_preference():
+    """End to end: rollouts → rewards → exact replay → updates raise the reward."""
+
+    class FourthIsNotPlus:  # the untrained tiny model writes "+" there ~90% of the time
+        name = "not_plus"
+
+        def __call__(self, completions, examples):
+            return torch.tensor([float(c[3:4] != "+") for c in completions])
+
+    policy = PolicyLossConfig(algorithm="grpo", beta="none")
+    learner = learner_for(policy, lr=3e-3)
+    reward_fn = CombinedReward([(FourthIsNotPlus(), 1.0)])
+    rewards = []
+    for step in range(12):
+        rollout = rollout_for(
+            learner, policy, start=4 * step, prompts=4, group=8, reward_fn=reward_fn
+        )
+        rewards.append(float(rollout.rewards.mean()))
+        learner.step(rollout)
+    assert rewards[0] < 0.3
+    assert sum(rewards[-3:]) / 3 > rewards[0] + 0.4
