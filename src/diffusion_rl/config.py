@@ -160,7 +160,7 @@ def load_config(
 ) -> Config:
     """Read ``path`` (YAML; None = all defaults), apply overrides, validate as ``cls``."""
     data: dict[str, Any] = {}
-    source = "defaults"
+    source = "defaults with --set overrides"
     if path is not None:
         path = Path(path)
         if not path.is_file():
