@@ -248,3 +248,32 @@ def test_shipped_grpo_config_matches_the_defaults():
         Path(__file__).parents[1] / "configs" / "grpo_arithmetic.yaml", GRPORecipeConfig
     )
     assert shipped == GRPORecipeConfig()
+
+
+def test_grpo_in_bf16_samples_at_the_learner_precision(tmp_path):
+    """Rollouts run under the trainer's autocast, so the learner reproduces them exactly."""
+    from diffusion_rl.config import GRPORecipeConfig
+    from diffusion_rl.recipes.grpo import run_grpo
+
+    run_sft(tiny_config(tmp_path, "sft", steps=3), echo=lambda _: None)
+    config = build_config(
+        GRPORecipeConfig,
+        {
+            **GRPO_TINY,
+            "steps": 2,
+            "micro_batch_size": None,
+            "precision": "bf16",
+            "model": {"path": str(tmp_path / "sft" / "model")},
+            "output_dir": str(tmp_path / "bf16"),
+        },
+    )
+    run_grpo(config, echo=lambda _: None)
+    records = [
+        json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [r for r in records if "policy/parity_max_abs@iter0" in r]
+    assert len(steps) == 2
+    assert all(
+        r["policy/parity_max_abs@iter0"] == 0.0 and r["policy/ratio_mean@iter0"] == 1.0
+        for r in steps
+    )

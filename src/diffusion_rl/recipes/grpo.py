@@ -164,20 +164,21 @@ def run_grpo(config: GRPORecipeConfig, echo: Callable[[str], None] = print) -> d
         bar = progress(config.steps, config.policy.algorithm)
         bar.update(trainer.global_step // iterations)
         while trainer.global_step // iterations < config.steps:
-            rollout, prompt_position = collect_rollouts(
-                roles.rollout,
-                task,
-                reward_fn,
-                start_prompt=prompt_position,
-                num_prompts=config.prompts_per_step,
-                group_size=config.group_size,
-                sampler=sampler,
-                policy=config.policy,
-                post_stop_weight=config.post_stop_weight,
-                weights_version=roles.version,
-                seed=config.seed,
-                max_sampling_rounds=config.max_sampling_rounds,
-            )
+            with trainer.autocast():  # sample at the learner's precision: same kernels, parity 0
+                rollout, prompt_position = collect_rollouts(
+                    roles.rollout,
+                    task,
+                    reward_fn,
+                    start_prompt=prompt_position,
+                    num_prompts=config.prompts_per_step,
+                    group_size=config.group_size,
+                    sampler=sampler,
+                    policy=config.policy,
+                    post_stop_weight=config.post_stop_weight,
+                    weights_version=roles.version,
+                    seed=config.seed,
+                    max_sampling_rounds=config.max_sampling_rounds,
+                )
             metrics = learner.step(rollout)
             step = trainer.global_step // iterations
             bar.update(1)
