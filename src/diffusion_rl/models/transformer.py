@@ -63,22 +63,23 @@ class TransformerConfig(BaseModel):
 
 @dataclass
 class BlockKVCache:
-    """Keys/values of the prompt and of each committed block, one chunk per block.
+    """Keys/values of the prompt and of the committed blocks.
 
-    ``keys[l]``/``values[l]``: per layer, a list of ``[B, H, n_chunk, Dh]`` chunks;
-    ``key_mask``: list of bool ``[B, n_chunk]``; ``next_position``: ``[B]`` position id of the
-    next token. Chunks are concatenated on use (no in-place writes), so a replay with
-    gradients can run through the cache and differentiate the cached prefix too.
+    ``keys[l]``/``values[l]``: per layer ``[B, H, n, Dh]`` (None before the prompt runs);
+    ``key_mask``: bool ``[B, n]``; ``next_position``: ``[B]`` position id of the next token.
+    Extending builds new tensors (no in-place writes), so a replay with gradients can run
+    through the cache and differentiate the cached prefix too; within a block every step
+    reuses the same cached tensors.
     """
 
-    keys: list[list[torch.Tensor]]
-    values: list[list[torch.Tensor]]
-    key_mask: list[torch.Tensor]
+    keys: list[torch.Tensor | None]
+    values: list[torch.Tensor | None]
+    key_mask: torch.Tensor
     next_position: torch.Tensor
 
     @property
     def length(self) -> int:
-        return sum(m.shape[1] for m in self.key_mask)
+        return self.key_mask.shape[1]
 
 
 class Attention(nn.Module):
@@ -255,9 +256,9 @@ class DiffusionTransformer(nn.Module):
         if self.block_size is None:
             raise TypeError("new_cache: the block KV cache needs a block_causal model")
         cache = BlockKVCache(
-            keys=[[] for _ in self.blocks],
-            values=[[] for _ in self.blocks],
-            key_mask=[],
+            keys=[None for _ in self.blocks],
+            values=[None for _ in self.blocks],
+            key_mask=prompt_mask.new_zeros((prompt_ids.shape[0], 0), dtype=torch.bool),
             next_position=torch.zeros(
                 prompt_ids.shape[0], dtype=torch.long, device=prompt_ids.device
             ),
@@ -276,22 +277,18 @@ class DiffusionTransformer(nn.Module):
     def _forward_cached(self, ids, mask, cache: BlockKVCache, extend: bool) -> torch.Tensor:
         k = ids.shape[1]
         positions = cache.next_position[:, None] + (mask.long().cumsum(1) - 1).clamp_min(0)
-        key_mask = torch.cat([*cache.key_mask, mask], dim=1)
+        key_mask = torch.cat([cache.key_mask, mask], dim=1)
         zero = torch.zeros((), dtype=torch.float32, device=ids.device)
         bias = torch.where(key_mask, zero, torch.finfo(torch.float32).min)[:, None, None, :]
         bias = bias.expand(-1, 1, k, -1)
-        pasts = None
-        if cache.key_mask:
-            pasts = [
-                (torch.cat(kk, dim=2), torch.cat(vv, dim=2))
-                for kk, vv in zip(cache.keys, cache.values)
-            ]
+        pasts = None if cache.keys[0] is None else list(zip(cache.keys, cache.values))
         logits, kvs = self._run(self._embed(ids, positions), bias, pasts)
         if extend:
             for layer, (kk, vv) in enumerate(kvs):
-                cache.keys[layer].append(kk)
-                cache.values[layer].append(vv)
-            cache.key_mask.append(mask)
+                past_k, past_v = cache.keys[layer], cache.values[layer]
+                cache.keys[layer] = kk if past_k is None else torch.cat([past_k, kk], dim=2)
+                cache.values[layer] = vv if past_v is None else torch.cat([past_v, vv], dim=2)
+            cache.key_mask = key_mask
             cache.next_position = cache.next_position + mask.long().sum(1)
         return logits
 
