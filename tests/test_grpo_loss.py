@@ -998,3 +998,20 @@ def test_inactive_non_finite_values_never_reach_gradient(case, kl):
         clip_high=0.2, beta=beta, estimator=estimator, aggregation="sequence_mean_token_mean"
     )
     assert_close_grid(grad, grads)
+
+
+def test_logprob_by_advantage_sign_metrics():
+    logprobs = torch.tensor([[-0.5, -1.5, float("nan")], [-2.0, -4.0, -6.0], [-3.0, -3.0, -3.0]])
+    weights = torch.tensor([[1.0, 1.0, 0.0], [0.5, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    batch = DiffusionTokenBatch(
+        {
+            "advantages": torch.tensor([1.0, -2.0, 0.0]),
+            "behaviour_logprobs": torch.zeros(3, 3),
+        },
+        torch.where(weights != 0, 4, -1),
+        weights,
+    )
+    out = PolicyLoss(PolicyLossConfig(beta="none"))(logprobs, batch)
+    # positive side: row 0, slots 0-1 → (-0.5 - 1.5) / 2; negative: row 1 → (0.5·-2 + -4) / 1.5
+    assert float(out.aux_metrics["policy/logprob_pos_adv"].value) == pytest.approx(-1.0)
+    assert float(out.aux_metrics["policy/logprob_neg_adv"].value) == pytest.approx(-5.0 / 1.5)

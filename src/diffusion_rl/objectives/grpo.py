@@ -256,6 +256,13 @@ class PolicyLoss:
             "policy/parity_mean_abs": token_mean(parity),
             "policy/parity_max_abs": parity.max() if parity.numel() else torch.tensor(0.0),
         }
+        # where the update pushes: mean log-prob of actions with positive / negative advantage
+        for name, side in (("pos", advantages > 0), ("neg", advantages < 0)):
+            side_w = weights * side
+            aux[f"policy/logprob_{name}_adv"] = WeightedMetric(
+                (torch.where(active, logprobs.detach(), zeros) * side_w).sum(),
+                side_w.sum().detach(),
+            )
         if kl is not None:
             aux["policy/kl"] = token_mean(kl)
         if entropy is not None:
