@@ -154,7 +154,7 @@ def test_shipped_config_matches_the_defaults():
     )
     defaults = SFTRecipeConfig()
     assert shipped.model_dump(exclude={"task"}) == defaults.model_dump(exclude={"task"})
-    assert build_task(shipped).config == build_task(defaults).config
+    assert build_task(shipped.task, 4).config == build_task(defaults.task, 4).config
 
 
 GRPO_TINY = {

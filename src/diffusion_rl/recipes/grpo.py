@@ -29,6 +29,7 @@ from ..tasks import get_task
 from ..train import CheckpointManager, MetricsLogger, Trainer, progress
 from ..train.policy import PolicyLearner
 from ..train.roles import PolicyRoles
+from .sft import build_task as build_configured_task
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -66,10 +67,7 @@ def build_task(config: GRPORecipeConfig, model_info: dict):
             )
         options["block_size"] = config.sampler.block_size
         return get_task(name, **options)
-    options = config.task.options()
-    if "block_size" in options:
-        raise ConfigError("task.block_size: set sampler.block_size instead")
-    return get_task(config.task.name, block_size=config.sampler.block_size, **options)
+    return build_configured_task(config.task, config.sampler.block_size)
 
 
 def run_grpo(config: GRPORecipeConfig, echo: Callable[[str], None] = print) -> dict[str, Any]:

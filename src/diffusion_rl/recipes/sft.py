@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, SFTRecipeConfig
+from ..config import ConfigError, SFTRecipeConfig, TaskSection
 from ..contracts import DiffusionTokenBatch
 from ..evaluation import evaluate_task
 from ..models import DiffusionTransformer, TransformerConfig
@@ -27,13 +27,14 @@ from ..tasks import get_task
 from ..train import CheckpointManager, MetricsLogger, Trainer, progress
 
 
-def build_task(config: SFTRecipeConfig):
-    options = config.task.options()
+def build_task(section: TaskSection, block_size: int):
+    """The task a config section names; its block size is the sampler's (one source of truth)."""
+    options = section.options()
     if "block_size" in options:
         raise ConfigError(
             "task.block_size: set sampler.block_size instead (model, data and sampler share it)"
         )
-    return get_task(config.task.name, block_size=config.sampler.block_size, **options)
+    return get_task(section.name, block_size=block_size, **options)
 
 
 def build_model(config: SFTRecipeConfig, task) -> DiffusionTransformer:
@@ -78,7 +79,7 @@ def run_sft(config: SFTRecipeConfig, echo: Callable[[str], None] = print) -> dic
     torch.manual_seed(config.seed)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    task = build_task(config)
+    task = build_task(config.task, config.sampler.block_size)
     model = build_model(config, task)
     objective = MaskedDiffusionSFT(config.objective)
     trainer = Trainer(

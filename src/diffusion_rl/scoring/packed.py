@@ -205,16 +205,6 @@ class PackedReplayScorer(ChunkedReplay):
             )
         super().__init__(model, **settings)
 
-    @classmethod
-    def for_trace(cls, model: TokenDenoiser, trace, **options) -> PackedReplayScorer:
-        """A scorer pinned to ``trace``: its temperature and log-prob kernel id."""
-        return cls(
-            model,
-            temperature=trace.temperature,
-            kernel_id=trace.kernel_ids["token_logprobs"],
-            **options,
-        )
-
     def _score_chunk(self, batch: DiffusionTokenBatch) -> ReplayScores:
         inputs = batch.model_inputs
         tokens, steps = inputs["completion_ids"], inputs["commit_steps"]

@@ -71,6 +71,22 @@ class ChunkedReplay:
         self.micro_batch_size = micro_batch_size
         self.logprob_kernel = KERNELS.resolve("token_logprobs", prefer=kernel_id)
 
+    @classmethod
+    def for_trace(cls, model: TokenDenoiser, trace, **options):
+        """A scorer pinned to ``trace``: its temperature, log-prob kernel id and whatever else
+        the scorer reads from a trace (:meth:`trace_options`)."""
+        return cls(
+            model,
+            temperature=trace.temperature,
+            kernel_id=trace.kernel_ids["token_logprobs"],
+            **cls.trace_options(trace),
+            **options,
+        )
+
+    @staticmethod
+    def trace_options(trace) -> dict:
+        return {}
+
     def score(self, batch: DiffusionTokenBatch) -> ReplayScores:
         missing = [k for k in REQUIRED_INPUTS if k not in batch.model_inputs]
         if missing:
@@ -113,16 +129,9 @@ class ReplayScorer(ChunkedReplay):
             )
         self.use_cache = cacheable if use_cache is None else use_cache
 
-    @classmethod
-    def for_trace(cls, model: TokenDenoiser, trace, **options) -> ReplayScorer:
-        """A scorer pinned to ``trace``: its temperature, log-prob kernel id and cache mode."""
-        return cls(
-            model,
-            temperature=trace.temperature,
-            kernel_id=trace.kernel_ids["token_logprobs"],
-            use_cache=bool(trace.sampler.get("use_cache")),
-            **options,
-        )
+    @staticmethod
+    def trace_options(trace) -> dict:
+        return {"use_cache": bool(trace.sampler.get("use_cache"))}
 
     def _score_chunk(self, batch: DiffusionTokenBatch) -> ReplayScores:
         inputs = batch.model_inputs

@@ -24,6 +24,7 @@ from ..contracts import DiffusionTokenBatch
 from ..objectives.grpo import PolicyLoss
 from ..rollout import RolloutBatch
 from ..scoring.estimators import make_scorer
+from ..scoring.replay import ReplayScorer
 from .roles import PolicyRoles
 from .trainer import Trainer
 
@@ -110,7 +111,7 @@ class PolicyLearner:
             "kernel_id": trace.kernel_ids["token_logprobs"],
         }
         if self.scorer_name == "exact":
-            self._settings["use_cache"] = bool(trace.sampler.get("use_cache"))
+            self._settings.update(ReplayScorer.trace_options(trace))
         size = self.micro_batch_size or rollout.batch.batch_size
         micro = rollout.batch.split(size)
         micro = [
