@@ -71,3 +71,44 @@ def shift_to_target_aligned(raw_logits: torch.Tensor) -> torch.Tensor:
             f"raw_logits: expected rank 3 [B, T, V], got shape {tuple(raw_logits.shape)}"
         )
     return torch.cat([raw_logits[:, :1], raw_logits[:, :-1]], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flow-matching generators (MATH.md §5)
+# ---------------------------------------------------------------------------------------------
+
+Conditioning = dict[str, torch.Tensor]
+"""Prompt conditioning: every value is batch-first ``[B, ...]`` so that the conditional and
+unconditional halves of classifier-free guidance concatenate along dim 0 into one forward."""
+
+
+@runtime_checkable
+class VelocityModel(Protocol):
+    """A flow-matching generator: the trained velocity network plus its frozen encoders.
+
+    Convention (MATH.md §5): ``x_σ = (1 - σ) x0 + σ ε`` and the model predicts
+    ``v = ε - x0``; ``σ = 1`` is pure noise, ``σ = 0`` the clean latent. Adapters of models
+    with another timestep convention (diffusers: ``t = 1000 σ``) convert inside ``__call__``.
+
+    * ``latent_shape``: one sample's latent, ``(C, H, W)`` for images, ``(C, F, H, W)`` video.
+    * ``__call__(latents [B, *latent_shape], sigma float [B], cond)`` → velocity, same shape
+      and dtype as ``latents``.
+    * ``encode_prompts(prompts)`` → :data:`Conditioning` for ``len(prompts)`` rows;
+      ``empty_condition(B)`` → the unconditional (empty / negative prompt) conditioning.
+      Neither carries gradient into frozen encoders.
+    * ``decode(latents)`` → pixels in ``[0, 1]``: ``[B, 3, H, W]`` (``[B, F, 3, H, W]`` video).
+
+    Only parameters with ``requires_grad`` are trained (frozen encoders and VAEs set it False).
+    """
+
+    latent_shape: tuple[int, ...]
+
+    def __call__(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor: ...
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning: ...
+
+    def empty_condition(self, batch_size: int) -> Conditioning: ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
