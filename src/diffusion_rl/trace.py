@@ -5,16 +5,23 @@ of the final tokens ``x`` and the per-slot commit steps ``a`` (MATH.md §1.2):
 ``c_s = prompt ⊕ [x_i if 0 <= a_i < s else MASK]``. Slots the sampler never sampled (a row
 stopped early) have ``a_i = -1``: they were MASK in every canvas, are filled with the stop
 token in the returned text, and are never actions.
+
+A flow rollout (:class:`FlowTrace`, MATH.md §5) records every latent the sampler continued
+from, so step ``k`` of a row is scored as ``log p(latents[k+1] | latents[k])`` by replaying one
+velocity forward; :meth:`FlowTrace.step_batches` cuts it into :class:`FlowStepBatch` units.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .contracts import DiffusionTokenBatch
+from .models.protocol import Conditioning
 
 
 @dataclass(frozen=True)
@@ -132,3 +139,287 @@ class TokenTrace:
             target_ids=torch.where(self.sampled, self.tokens, torch.full_like(self.tokens, -1)),
             loss_weights=weights,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Flow-matching rollouts (MATH.md §5)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_conditioning(name: str, cond: Conditioning | None, rows: int) -> None:
+    if cond is None:
+        return
+    if not isinstance(cond, dict) or not cond:
+        raise TypeError(f"{name}: expected a non-empty dict of tensors, got {type(cond).__name__}")
+    for key, value in cond.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != rows:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"{name}[{key!r}]: expected a batch-first tensor [B={rows}, ...], got {shape}"
+            )
+
+
+def _take(cond: Conditioning | None, index) -> Conditioning | None:
+    return None if cond is None else {k: v[index] for k, v in cond.items()}
+
+
+@dataclass(frozen=True)
+class FlowStepBatch:
+    """One replay forward: the rows of one sampler forward group at one SDE step ``k``.
+
+    * ``latents`` / ``next_latents`` ``[b, *latent]``: ``trace.latents[rows, k]`` and
+      ``[rows, k + 1]`` exactly as stored (the sampler's dtype)
+    * ``sigma`` / ``sigma_next`` float32 ``[b]``; ``cond`` / ``uncond`` (None without CFG)
+    * ``behaviour_logprobs`` float32 ``[b]``; ``rows`` long ``[b]`` (indices into the trace)
+    * training inputs filled by the learner: ``advantages [b]``, ``weights [b]``,
+      ``old_logprobs [b]`` (start-of-step snapshot, μ > 1), ``ref_means [b, *latent]`` (β > 0)
+
+    Registered as a pytree, so the trainer moves every tensor to its device.
+    """
+
+    step: int
+    rows: torch.Tensor
+    latents: torch.Tensor
+    next_latents: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    cond: Conditioning
+    uncond: Conditioning | None
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_means: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+
+pytree.register_dataclass(FlowStepBatch, serialized_type_name="diffusion_rl.trace.FlowStepBatch")
+
+
+@dataclass(frozen=True)
+class FlowTrace:
+    """A captured flow-matching rollout: B rows, N steps from σ = 1 to σ = 0.
+
+    * ``latents`` ``[B, N + 1, *latent_shape]``: ``latents[:, k]`` is *exactly* the tensor the
+      sampler fed the model at step k and continued from (its dtype: with a bf16 latent dtype
+      the rounded tensor, PITFALLS.md); ``latents[:, N]`` is the final sample
+    * ``sigmas`` float32 ``[N + 1]``: the schedule, ``sigmas[0] = 1``, ``sigmas[N] = 0``
+    * ``sde_steps`` bool ``[N]``: steps taken by the SDE kernel (the trainable ones); the
+      others (and always the last) are ODE steps
+    * ``logprobs`` float32 ``[B, N]``: behaviour ``log p(latents[:, k+1] | latents[:, k])`` on
+      SDE steps, 0 on ODE steps
+    * ``cond`` / ``uncond``: the conditioning the velocity forwards used (``uncond`` None when
+      guidance is 1: no CFG); ``prompts`` ``[B]``; ``seeds`` long ``[B]``
+    * ``forward_groups`` long ``[B]``: rows with equal id ran their velocity forwards together,
+      in row order. Replay forwards the same groups, so GEMM shapes match the sampler's and
+      parity is bitwise; a replay of part of a group is equal only to fp tolerance
+    * ``sampler``: the sampler settings (``FlowSamplerConfig`` dump plus ``latent_shape``,
+      ``latent_dtype``, ``group_size``); ``kernel_ids`` op → id; ``weights_version``
+    """
+
+    latents: torch.Tensor
+    sigmas: torch.Tensor
+    sde_steps: torch.Tensor
+    logprobs: torch.Tensor
+    cond: Conditioning
+    uncond: Conditioning | None
+    prompts: list[str]
+    seeds: torch.Tensor
+    forward_groups: torch.Tensor
+    sampler: dict[str, Any]
+    kernel_ids: dict[str, str]
+    weights_version: int
+    model_info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        rows = self.latents.shape[0]
+        steps = self.sigmas.shape[0] - 1
+        if self.latents.dim() < 3 or self.latents.shape[1] != steps + 1:
+            raise ValueError(
+                f"FlowTrace.latents: expected [B, N+1={steps + 1}, *latent_shape] (sigmas has "
+                f"N+1 entries), got {tuple(self.latents.shape)}"
+            )
+        if self.sigmas.dtype != torch.float32 or self.sigmas.dim() != 1:
+            raise ValueError(f"FlowTrace.sigmas: expected float32 [N+1], got {self.sigmas.dtype}")
+        if self.sde_steps.dtype != torch.bool or tuple(self.sde_steps.shape) != (steps,):
+            raise ValueError(
+                f"FlowTrace.sde_steps: expected bool [N={steps}], got {self.sde_steps.dtype} "
+                f"{tuple(self.sde_steps.shape)}"
+            )
+        if self.logprobs.dtype != torch.float32 or tuple(self.logprobs.shape) != (rows, steps):
+            raise ValueError(
+                f"FlowTrace.logprobs: expected float32 [B={rows}, N={steps}], got "
+                f"{self.logprobs.dtype} {tuple(self.logprobs.shape)}"
+            )
+        for name in ("seeds", "forward_groups"):
+            value = getattr(self, name)
+            if value.dtype != torch.long or tuple(value.shape) != (rows,):
+                raise ValueError(
+                    f"FlowTrace.{name}: expected long [B={rows}], got {tuple(value.shape)}"
+                )
+        if len(self.prompts) != rows:
+            raise ValueError(f"FlowTrace.prompts: expected {rows} prompts, got {len(self.prompts)}")
+        _check_conditioning("FlowTrace.cond", self.cond, rows)
+        _check_conditioning("FlowTrace.uncond", self.uncond, rows)
+        if (self.uncond is None) != (self.guidance_scale == 1.0):
+            raise ValueError(
+                f"FlowTrace.uncond: guidance_scale={self.guidance_scale} needs an unconditional "
+                "conditioning exactly when it is not 1"
+            )
+
+    # settings the replay must reproduce (from the sampler dump)
+    @property
+    def guidance_scale(self) -> float:
+        return float(self.sampler["guidance_scale"])
+
+    @property
+    def noise_level(self) -> float:
+        return float(self.sampler["noise_level"])
+
+    @property
+    def variant(self) -> str:
+        return str(self.sampler["variant"])
+
+    @property
+    def reduction(self) -> str:
+        return str(self.sampler["reduction"])
+
+    @property
+    def num_steps(self) -> int:
+        return self.sigmas.shape[0] - 1
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        return tuple(self.latents.shape[2:])
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def final_latents(self) -> torch.Tensor:
+        return self.latents[:, -1]
+
+    def sde_step_indices(self) -> list[int]:
+        return self.sde_steps.nonzero().flatten().tolist()
+
+    def rows(self, index: slice | torch.Tensor | Sequence[int]) -> FlowTrace:
+        """The rows ``index`` (slice, index tensor or bool mask), keeping their group ids."""
+        if isinstance(index, slice):
+            picked = list(range(len(self)))[index]
+        elif isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+            picked = index.nonzero().flatten().tolist()
+        else:
+            picked = [int(i) for i in index]
+        at = torch.tensor(picked, dtype=torch.long)
+        return replace(
+            self,
+            latents=self.latents[at],
+            logprobs=self.logprobs[at],
+            cond=_take(self.cond, at),
+            uncond=_take(self.uncond, at),
+            prompts=[self.prompts[i] for i in picked],
+            seeds=self.seeds[at],
+            forward_groups=self.forward_groups[at],
+        )
+
+    @staticmethod
+    def concat(traces: Sequence[FlowTrace]) -> FlowTrace:
+        """Rows of several traces of one rollout; schedule, settings, kernels and version must
+        agree. Forward-group ids are offset so groups of different traces stay apart."""
+        if not traces:
+            raise ValueError("FlowTrace.concat: expected at least one trace, got none")
+        first = traces[0]
+        for k, trace in enumerate(traces[1:], start=1):
+            for name in ("sampler", "kernel_ids", "weights_version", "model_info"):
+                if getattr(trace, name) != getattr(first, name):
+                    raise ValueError(
+                        f"FlowTrace.concat: trace {k} has {name}={getattr(trace, name)!r}, trace 0 "
+                        f"has {getattr(first, name)!r}; one rollout batch has one setting"
+                    )
+            for name in ("sigmas", "sde_steps"):
+                if not torch.equal(getattr(trace, name), getattr(first, name)):
+                    raise ValueError(f"FlowTrace.concat: trace {k} has other {name} than trace 0")
+            if (
+                trace.latents.shape[1:] != first.latents.shape[1:]
+                or trace.latents.dtype != first.latents.dtype
+            ):
+                raise ValueError(
+                    f"FlowTrace.concat: trace {k} has latents {tuple(trace.latents.shape)} "
+                    f"{trace.latents.dtype}, trace 0 {tuple(first.latents.shape)} {first.latents.dtype}"
+                )
+            for name in ("cond", "uncond"):
+                a, b = getattr(first, name), getattr(trace, name)
+                if (a is None) != (b is None) or (a is not None and set(a) != set(b)):
+                    raise ValueError(
+                        f"FlowTrace.concat: trace {k} has other {name} keys than trace 0"
+                    )
+        groups, offset = [], 0
+        for trace in traces:
+            groups.append(trace.forward_groups + offset)
+            offset = int(groups[-1].max()) + 1 if len(trace) else offset
+
+        def cat_cond(name: str) -> Conditioning | None:
+            if first.uncond is None and name == "uncond":
+                return None
+            return {
+                key: torch.cat([getattr(t, name)[key] for t in traces])
+                for key in getattr(first, name)
+            }
+
+        return replace(
+            first,
+            latents=torch.cat([t.latents for t in traces]),
+            logprobs=torch.cat([t.logprobs for t in traces]),
+            cond=cat_cond("cond"),
+            uncond=cat_cond("uncond"),
+            prompts=[p for t in traces for p in t.prompts],
+            seeds=torch.cat([t.seeds for t in traces]),
+            forward_groups=torch.cat(groups),
+        )
+
+    def group_rows(self) -> list[torch.Tensor]:
+        """Row indices of each forward group, groups in order of first appearance."""
+        order = dict.fromkeys(self.forward_groups.tolist())
+        return [(self.forward_groups == g).nonzero().flatten() for g in order]
+
+    def step_batches(
+        self,
+        steps: Sequence[int],
+        *,
+        advantages: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> list[FlowStepBatch]:
+        """One :class:`FlowStepBatch` per (forward group, step), group-major; ``steps`` must be
+        SDE steps. ``advantages`` / ``weights`` ``[B]`` are sliced into each batch."""
+        sde = self.sde_steps.tolist()
+        for k in steps:
+            if not (0 <= k < self.num_steps and sde[k]):
+                raise ValueError(
+                    f"steps: step {k} is not an SDE step of this trace (SDE steps: "
+                    f"{self.sde_step_indices()}); only SDE steps have a log-prob"
+                )
+        for name, value in (("advantages", advantages), ("weights", weights)):
+            if value is not None and tuple(value.shape) != (len(self),):
+                raise ValueError(f"{name}: expected [B={len(self)}], got {tuple(value.shape)}")
+        batches = []
+        for rows in self.group_rows():
+            for k in steps:
+                size = rows.shape[0]
+                batches.append(
+                    FlowStepBatch(
+                        step=int(k),
+                        rows=rows,
+                        latents=self.latents[rows, k],
+                        next_latents=self.latents[rows, k + 1],
+                        sigma=self.sigmas[k].expand(size).clone(),
+                        sigma_next=self.sigmas[k + 1].expand(size).clone(),
+                        cond=_take(self.cond, rows),
+                        uncond=_take(self.uncond, rows),
+                        behaviour_logprobs=self.logprobs[rows, k],
+                        advantages=None if advantages is None else advantages[rows].float(),
+                        weights=None if weights is None else weights[rows].float(),
+                    )
+                )
+        return batches
