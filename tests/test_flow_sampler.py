@@ -187,6 +187,8 @@ def test_trace_rows_and_concat_round_trip():
     assert torch.equal(joined.cond["label"], trace.cond["label"])
     assert joined.forward_groups.tolist() == [0, 0, 1, 1]  # separate sampler batches stay apart
     assert trace.rows(torch.tensor([False, True, False, True])).prompts == ["3", "7"]
+    moved = trace.to("meta")
+    assert moved.latents.device.type == moved.cond["label"].device.type == "meta"
     other = sample_flow(model, PROMPTS, config(num_steps=5), seeds=range(4), capture=True).trace
     with pytest.raises(ValueError, match="sampler"):
         FlowTrace.concat([trace, other])

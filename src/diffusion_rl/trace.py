@@ -301,6 +301,20 @@ class FlowTrace:
     def final_latents(self) -> torch.Tensor:
         return self.latents[:, -1]
 
+    def to(self, device: torch.device | str) -> FlowTrace:
+        """Every tensor moved to ``device`` (values unchanged: replay parity is kept)."""
+
+        def move(cond: Conditioning | None) -> Conditioning | None:
+            return None if cond is None else {k: v.to(device) for k, v in cond.items()}
+
+        return replace(
+            self,
+            latents=self.latents.to(device),
+            logprobs=self.logprobs.to(device),
+            cond=move(self.cond),
+            uncond=move(self.uncond),
+        )
+
     def sde_step_indices(self) -> list[int]:
         return self.sde_steps.nonzero().flatten().tolist()
 
@@ -413,8 +427,8 @@ class FlowTrace:
                         rows=rows,
                         latents=self.latents[rows, k],
                         next_latents=self.latents[rows, k + 1],
-                        sigma=self.sigmas[k].expand(size).clone(),
-                        sigma_next=self.sigmas[k + 1].expand(size).clone(),
+                        sigma=self.sigmas[k].repeat(size),
+                        sigma_next=self.sigmas[k + 1].repeat(size),
                         cond=_take(self.cond, rows),
                         uncond=_take(self.uncond, rows),
                         behaviour_logprobs=self.logprobs[rows, k],

@@ -302,7 +302,7 @@ def _sample_rows(
     logprobs = torch.zeros(rows, config.num_steps, dtype=torch.float32, device=x.device)
     sde_kernel, ode_kernel = kernels["flow_sde_step"].fn, kernels["flow_ode_step"].fn
     for k in range(config.num_steps):
-        sigma, sigma_next = sigmas[k].expand(rows), sigmas[k + 1].expand(rows)
+        sigma, sigma_next = sigmas[k].repeat(rows), sigmas[k + 1].repeat(rows)
         v = guided_velocity(model, x, sigma, cond, uncond, config.guidance_scale)
         if bool(sde_steps[k]):
             options = dict(
