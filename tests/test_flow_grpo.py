@@ -115,6 +115,8 @@ def test_unavailable_kernel_and_ode_trace_are_refused():
     scorer = FlowReplayScorer.for_trace(model, trace)
     with pytest.raises(ValueError, match="step 5 is not an SDE step"):
         scorer.score(trace, steps=[5])
+    with pytest.raises(ValueError, match="distinct"):
+        scorer.score(trace, steps=[1, 1])
     other = rollout(model, guidance_scale=4.0)
     with pytest.raises(ValueError, match="guidance_scale"):
         scorer.score(other)

@@ -408,6 +408,8 @@ class FlowTrace:
         """One :class:`FlowStepBatch` per (forward group, step), group-major; ``steps`` must be
         SDE steps. ``advantages`` / ``weights`` ``[B]`` are sliced into each batch."""
         sde = self.sde_steps.tolist()
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"steps: expected distinct steps, got {list(steps)}")
         for k in steps:
             if not (0 <= k < self.num_steps and sde[k]):
                 raise ValueError(

@@ -7,8 +7,9 @@ forward of the conditional and unconditional rows (classifier-free guidance
 then a step kernel from :data:`~diffusion_rl.kernels.KERNELS`:
 
 * ``mode="ode"`` (serving): every step is ``flow_ode_step``;
-* ``mode="sde"`` (rollout): steps inside ``sde_window`` ``[start, end)`` (all steps when null)
-  are ``flow_sde_step`` with a behaviour log-prob — the trainable steps — the others ODE.
+* ``mode="sde"`` (rollout): steps inside ``sde_window`` ``[start, end)`` (null: every step but
+  the last) are ``flow_sde_step`` with a behaviour log-prob — the trainable steps — the
+  others ODE (Flow-GRPO-Fast / MixGRPO windows).
 
 The **last step, to σ = 0, is always an ODE step**: for the ``cps`` variant the step's noise
 ``σ_next sin(aπ/2)`` is 0 there (no density, no log-prob); for ``flow_grpo`` and ``constant``
@@ -52,9 +53,12 @@ INITIAL_NOISE_STEP = -1
 class FlowSamplerConfig(BaseModel):
     """Settings of the flow sampler (stored in every trace).
 
-    Defaults are Flow-GRPO's SD3 rollout settings: 10 steps, shift 3, guidance 4.5, noise
-    level 0.7, mean-reduced log-probs. ``kernels`` maps an op (``flow_ode_step``,
-    ``flow_sde_step``) to a preferred kernel id; unset ops use the reference.
+    Defaults follow Flow-GRPO's SD3 rollouts (10 steps, guidance 4.5, noise level 0.7,
+    mean-reduced log-probs) with SD3's shift 3; ``mode`` defaults to serving (``"ode"``).
+    ``latent_dtype``: the dtype the latent is kept, fed and stored in between steps.
+    ``micro_batch_size``: rows per velocity forward (None: the whole batch). ``kernels`` maps
+    an op (``flow_ode_step``, ``flow_sde_step``) to a preferred kernel id; unset ops use the
+    reference.
     """
 
     model_config = ConfigDict(extra="forbid")
