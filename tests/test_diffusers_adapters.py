@@ -15,7 +15,7 @@ import time  # noqa: E402
 
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
-from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline  # noqa: E402
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, WanPipeline  # noqa: E402
 
 from diffusion_rl.models.diffusers_adapters import (  # noqa: E402
     FluxAdapter,
@@ -25,6 +25,15 @@ from diffusion_rl.models.diffusers_adapters import (  # noqa: E402
 )
 from diffusion_rl.models.diffusers_adapters.flux import image_ids, pack, unpack  # noqa: E402
 from diffusion_rl.models.protocol import VelocityModel  # noqa: E402
+from diffusion_rl.objectives.flow_grpo import (  # noqa: E402
+    FlowGRPOConfig,
+    FlowGRPOLoss,
+    flow_advantages,
+)
+from diffusion_rl.sampling.flow import FlowSamplerConfig, sample_flow  # noqa: E402
+from diffusion_rl.scoring.flow import FlowReplayScorer  # noqa: E402
+from diffusion_rl.train import OptimConfig, Trainer  # noqa: E402
+from diffusion_rl.train.flow_policy import FlowPolicyLearner  # noqa: E402
 from diffusion_rl.train.roles import PolicyRoles  # noqa: E402
 
 FAMILIES = {"sd3": SD3Adapter, "flux": FluxAdapter, "wan": WanAdapter}
@@ -180,38 +189,41 @@ def test_timestep_reaches_the_transformer_as_diffusers_expects(family):
         assert torch.equal(ours, direct)
         if family != "flux":  # the other scale would be a different model input
             wrong = adapter.transformer(
-                hidden_states=x, timestep=sigma, encoder_hidden_states=cond["prompt_embeds"],
-                return_dict=False, **extra,
-            )[0]  # fmt: skip
+                hidden_states=x,
+                timestep=sigma,
+                encoder_hidden_states=cond["prompt_embeds"],
+                return_dict=False,
+                **extra,
+            )[0]
             assert float((wrong - ours).abs().max()) > 1e-3
 
 
-def test_flux_packing_layout():
-    x = torch.arange(2 * 3 * 4 * 6, dtype=torch.float32).reshape(2, 3, 4, 6)
+def test_flux_packing_is_the_pipelines():
+    x = torch.randn(2, 3, 4, 6)
     tokens = pack(x)
-    assert tokens.shape == (2, 6, 12)
+    assert torch.equal(tokens, FluxPipeline._pack_latents(x, 2, 3, 4, 6))
     # token (i, j) = (1, 2), channel 4c + 2a + b with c=1, a=1, b=0 → x[:, 1, 3, 4]
     assert torch.equal(tokens[:, 1 * 3 + 2, 4 * 1 + 2 * 1 + 0], x[:, 1, 3, 4])
     assert torch.equal(unpack(tokens, 4, 6), x)
-    assert torch.equal(image_ids(4, 6, "cpu", torch.float32)[5], torch.tensor([0.0, 1.0, 2.0]))
+    assert torch.equal(unpack(tokens, 4, 6), FluxPipeline._unpack_latents(tokens, 32, 48, 8))
+    expected_ids = FluxPipeline._prepare_latent_image_ids(2, 2, 3, "cpu", torch.float32)
+    assert torch.equal(image_ids(4, 6, "cpu", torch.float32), expected_ids)
 
 
 def test_rows_are_independent_up_to_gemm_blocking(family):
     """A row alone vs in a batch of 3: equal to float32 rounding, not bitwise (measured max
-    |Δ| ≈ 2e-7 .. 6e-7): replay must repeat the sampler's forward groups for exactness."""
+    |Δ| 2e-7 .. 6e-7), while a repeated call is bitwise: replay must repeat the sampler's
+    forward groups to be exact, which the flow sampler records and the replay does."""
     adapter = FAMILIES[family].tiny(seed=0)
     cond = adapter.encode_prompts(PROMPTS)
     x, sigma = noise(adapter, 3), torch.tensor([0.9, 0.4, 0.1])
     with torch.no_grad():
         batched = adapter(x, sigma, cond)
+        assert torch.equal(adapter(x, sigma, cond), batched)
         for row in range(3):
-            alone = adapter(
-                x[row : row + 1],
-                sigma[row : row + 1],
-                {k: v[row : row + 1] for k, v in cond.items()},
-            )
-            assert float((alone - batched[row : row + 1]).abs().max()) < 5e-6
-            assert torch.equal(adapter(x[row : row + 1], sigma[row : row + 1], {k: v[row : row + 1] for k, v in cond.items()}), alone)  # fmt: skip
+            one = slice(row, row + 1)
+            alone = adapter(x[one], sigma[one], {k: v[one] for k, v in cond.items()})
+            assert float((alone - batched[one]).abs().max()) < 5e-6
 
 
 # --------------------------------------------------------------------------- trainability
@@ -264,7 +276,7 @@ def test_lora_starts_at_the_base_model_and_disables_to_it(family):
     adapter = FAMILIES[family].tiny(seed=0, lora=LoraSettings(rank=4))
     trainable = [n for n, p in adapter.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
-    assert set(adapter.state_dict()) == {f"{n}" for n in trainable}
+    assert set(adapter.state_dict()) == set(trainable)  # checkpoints hold the LoRA only
     x, sigma = noise(adapter, 2), torch.tensor([0.9, 0.35])
     cond = adapter.encode_prompts(PROMPTS[:2])
     with torch.no_grad():
@@ -373,3 +385,90 @@ def test_encode_images_inverts_the_latent_scaling(family):
         expected = (raw - config.shift_factor) * config.scaling_factor
         torch.testing.assert_close(latents, expected, rtol=0, atol=0)
     assert adapter.decode(latents).shape == pixels.shape
+
+
+# --------------------------------------------------------------------------- Flow-GRPO
+
+
+# FLUX is guidance-distilled: no true CFG (sampler guidance 1), its embedded guidance inside
+GUIDANCE = {"sd3": 3.0, "flux": 1.0, "wan": 3.0}
+GRPO_PROMPTS = ["a red cat", "a red cat", "two dogs", "two dogs"]
+
+
+def test_rollout_replay_parity_and_one_flow_grpo_step(family):
+    """Rollout = served sampling with capture (SDE, CFG, two forward groups); replay of every
+    SDE step equals the behaviour log-probs bitwise; one Flow-GRPO step (β > 0: reference
+    KL) moves the transformer only."""
+    adapter = FAMILIES[family].tiny(seed=0)
+    roles = PolicyRoles(adapter, reference=True)
+
+    def trainer(actor, loss_fn):
+        return Trainer(actor, loss_fn, OptimConfig(lr=1e-3, grad_clip=None))
+
+    learner = FlowPolicyLearner(roles, FlowGRPOLoss(FlowGRPOConfig(beta=0.04)), trainer)
+    sampler = FlowSamplerConfig(
+        num_steps=4, mode="sde", guidance_scale=GUIDANCE[family], micro_batch_size=2
+    )
+    sample = sample_flow(
+        roles.rollout, GRPO_PROMPTS, sampler, seeds=range(4), group_size=2, capture=True
+    )
+    trace = sample.trace
+    assert sample.images.shape == (4, *PIXEL_SHAPES[family])
+    assert trace.latents.shape == (4, 5, *adapter.latent_shape)
+    assert (trace.uncond is None) == (GUIDANCE[family] == 1.0)
+
+    scores = FlowReplayScorer.for_trace(adapter, trace, stop_gradient=True).score(trace)
+    behaviour = trace.logprobs[:, trace.sde_step_indices()]
+    assert scores.steps == [0, 1, 2] and bool(torch.isfinite(behaviour).all())
+    assert float((scores.logprobs - behaviour).abs().max()) == 0.0  # bitwise, fp32
+
+    frozen = {
+        name: p.detach().clone()
+        for module in adapter.frozen_modules()
+        for name, p in module.named_parameters()
+    }
+    trained = [p.detach().clone() for p in adapter.transformer.parameters()]
+    rewards = sample.images.float().mean(dim=tuple(range(1, sample.images.dim())))
+    metrics = learner.step(trace, flow_advantages(rewards, group_size=2))
+    assert metrics["flow_grpo/parity_max_abs@iter0"] == 0.0
+    assert metrics["flow_grpo/ratio_min@iter0"] == 1.0 == metrics["flow_grpo/ratio_max@iter0"]
+    assert metrics["flow_grpo/kl@iter0"] == 0.0  # actor == reference before the update
+    assert metrics["skipped_nonfinite"] == 0.0 and metrics["weights_version"] == 1.0
+    params = adapter.transformer.parameters()
+    assert max(float((p.detach() - q).abs().max()) for p, q in zip(params, trained)) > 1e-4
+    after = {
+        name: p for module in adapter.frozen_modules() for name, p in module.named_parameters()
+    }
+    assert all(torch.equal(after[name], value) for name, value in frozen.items())
+
+
+def test_lora_flow_grpo_step_with_the_lora_disabled_reference():
+    """LoRA run: the reference is the actor with LoRA off (no weight copy); before the update
+    the KL is 0 and ratios 1; the step moves LoRA weights only."""
+    adapter = SD3Adapter.tiny(seed=0, lora=LoraSettings(rank=4))
+    roles = PolicyRoles(adapter, reference=False)
+    roles.reference = adapter.lora_reference()
+
+    def trainer(actor, loss_fn):
+        return Trainer(actor, loss_fn, OptimConfig(lr=1e-2, grad_clip=None))
+
+    learner = FlowPolicyLearner(
+        roles, FlowGRPOLoss(FlowGRPOConfig(beta=0.04, num_iterations=2)), trainer
+    )
+    sampler = FlowSamplerConfig(num_steps=4, mode="sde", guidance_scale=3.0, micro_batch_size=2)
+    trace = sample_flow(
+        roles.rollout, GRPO_PROMPTS, sampler, seeds=range(4), group_size=2, capture=True
+    ).trace
+    base = {n: p.detach().clone() for n, p in adapter.transformer.named_parameters()}
+    metrics = learner.step(trace, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    assert metrics["flow_grpo/parity_max_abs@iter0"] == 0.0
+    assert metrics["flow_grpo/kl@iter0"] == 0.0
+    assert metrics["flow_grpo/kl@iter1"] > 0.0  # the LoRA moved away from the base
+    changed = {n for n, p in adapter.transformer.named_parameters() if not torch.equal(p, base[n])}
+    assert changed and all(".lora_" in name for name in changed)  # base weights untouched
+    assert any(".lora_B" in name for name in changed)
+    with torch.no_grad():  # the synced rollout copy carries the update; the reference does not
+        x, sigma = noise(adapter, 2), torch.tensor([0.9, 0.4])
+        cond = adapter.encode_prompts(GRPO_PROMPTS[:2])
+        assert torch.equal(roles.rollout(x, sigma, cond), adapter(x, sigma, cond))
+        assert not torch.equal(roles.reference(x, sigma, cond), adapter(x, sigma, cond))

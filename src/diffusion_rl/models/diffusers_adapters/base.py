@@ -45,7 +45,7 @@ from torch import nn
 
 from ..protocol import Conditioning
 
-__all__ = ["FlowPipelineAdapter", "LoraSettings"]
+__all__ = ["FlowPipelineAdapter", "LoraDisabledView", "LoraSettings"]
 
 
 class LoraSettings(BaseModel):
@@ -221,10 +221,11 @@ class FlowPipelineAdapter(nn.Module):
             module.eval()
         return self
 
-    def add_lora(self, settings: LoraSettings) -> None:
+    def add_lora(self, settings: LoraSettings | dict) -> None:
         """Wrap the transformer's target modules with LoRA; only LoRA weights stay trainable."""
         from peft import LoraConfig
 
+        settings = LoraSettings.model_validate(settings)
         if self.lora is not None:
             raise ValueError("lora: this adapter already carries a LoRA")
         config = LoraConfig(
@@ -253,6 +254,14 @@ class FlowPipelineAdapter(nn.Module):
             self.transformer.enable_adapters()
             for param, flag in zip(self.transformer.parameters(), flags):
                 param.requires_grad_(flag)
+
+    def lora_reference(self) -> LoraDisabledView:
+        """The reference policy of a LoRA run as a VelocityModel that shares this adapter's
+        weights (no copy): ``PolicyRoles(adapter, reference=False)``, then
+        ``roles.reference = adapter.lora_reference()``."""
+        if self.lora is None:
+            raise ValueError("lora_reference: this adapter has no LoRA (lora=None)")
+        return LoraDisabledView(self)
 
     # ------------------------------------------------------------------ VelocityModel
     @property
@@ -360,3 +369,34 @@ def check_resolution(name: str, value: int, multiple: int) -> int:
     if not isinstance(value, int) or value <= 0 or value % multiple:
         raise ValueError(f"{name}: expected a positive multiple of {multiple}, got {value!r}")
     return value
+
+
+class LoraDisabledView:
+    """A LoRA adapter seen with its LoRA switched off: the base model, as a VelocityModel.
+
+    It owns no weights, so ``to()`` moves nothing and ``parameters()`` are the adapter's
+    (for device lookup). Call it without gradient, as a reference is scored.
+    """
+
+    def __init__(self, adapter: FlowPipelineAdapter) -> None:
+        self.adapter = adapter
+        self.latent_shape = adapter.latent_shape
+
+    def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning):
+        with self.adapter.lora_disabled():
+            return self.adapter(latents, sigma, cond)
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        return self.adapter.encode_prompts(prompts)
+
+    def empty_condition(self, batch_size: int) -> Conditioning:
+        return self.adapter.empty_condition(batch_size)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.adapter.decode(latents)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.adapter.parameters()
+
+    def to(self, *args, **kwargs) -> LoraDisabledView:
+        return self

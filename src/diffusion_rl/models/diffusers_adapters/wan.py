@@ -38,8 +38,11 @@ class WanAdapter(FlowPipelineAdapter):
     text_encoder_names = ("text_encoder",)
     tokenizer_names = ("tokenizer",)
     cond_keys = ("prompt_embeds",)
-    lora_targets = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
-                    "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")  # fmt: skip
+    lora_targets = tuple(
+        f"{attn}.{proj}"
+        for attn in ("attn1", "attn2")
+        for proj in ("to_q", "to_k", "to_v", "to_out.0")
+    )  # self- and cross-attention projections
 
     def __init__(
         self,
