@@ -94,12 +94,12 @@ def flow_advantages(
     if tuple(group_ids.shape) != (rows,):
         raise ValueError(f"group_ids: expected [B={rows}], got {tuple(group_ids.shape)}")
     _, index = torch.unique(group_ids, return_inverse=True)
-    groups = int(index.max()) + 1
-    counts = torch.zeros(groups).index_add_(0, index, torch.ones(rows))
-    mean = torch.zeros(groups).index_add_(0, index, rewards) / counts
+    zeros = torch.zeros(int(index.max()) + 1, device=rewards.device)
+    counts = zeros.index_add(0, index, torch.ones_like(rewards))
+    mean = zeros.index_add(0, index, rewards) / counts
     centred = rewards - mean[index]
     if mode == "group":
-        var = torch.zeros(groups).index_add_(0, index, centred.square()) / counts
+        var = zeros.index_add(0, index, centred.square()) / counts
         std = var.sqrt()[index]
     else:
         std = rewards.std(correction=0).expand(rows)
