@@ -1,4 +1,4 @@
-"""Pictures of a run: learning curves from ``metrics.jsonl`` as a PNG."""
+"""Pictures of a run: learning curves from ``metrics.jsonl`` and sample-image grids, as PNGs."""
 
 from __future__ import annotations
 
@@ -39,3 +39,69 @@ def plot_curves(
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return png_path
+
+
+def save_image_grid(
+    images,
+    path: str | Path,
+    nrow: int = 8,
+    captions: list[str] | None = None,
+    upscale: int = 4,
+    padding: int = 2,
+) -> Path:
+    """Write ``images`` (float ``[N, 3, H, W]`` in ``[0, 1]``) as one PNG grid.
+
+    Tiles are enlarged ``upscale`` times by nearest-neighbour (pixels stay sharp), laid out
+    ``nrow`` per row on a white sheet with ``padding`` pixels between them; each caption (one
+    per image, optional) is word-wrapped in black under its tile. Returns ``path``.
+    """
+    import numpy as np
+    import torch
+    from PIL import Image, ImageDraw, ImageFont
+
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != 3:
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"images: expected a tensor [N, 3, H, W] in [0, 1], got {shape}")
+    if nrow < 1 or upscale < 1 or padding < 0:
+        raise ValueError(
+            f"save_image_grid: need nrow >= 1, upscale >= 1, padding >= 0; got nrow={nrow}, "
+            f"upscale={upscale}, padding={padding}"
+        )
+    count, _, height, width = images.shape
+    if captions is not None and len(captions) != count:
+        raise ValueError(f"captions: expected {count} (one per image), got {len(captions)}")
+    pixels = (images.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
+    tile_w, tile_h = width * upscale, height * upscale
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    line_h = measure.textbbox((0, 0), "Ag", font=font)[3] + 2
+
+    def wrap(text: str) -> list[str]:
+        lines, current = [], ""
+        for word in text.split():
+            trial = f"{current} {word}".strip()
+            if current and measure.textlength(trial, font=font) > tile_w:
+                lines.append(current)
+                current = word
+            else:
+                current = trial
+        return lines + ([current] if current else [])
+
+    wrapped = [wrap(c) for c in captions] if captions is not None else [[] for _ in range(count)]
+    caption_h = max((len(lines) for lines in wrapped), default=0) * line_h
+    cols = min(nrow, max(count, 1))
+    rows = max(1, -(-count // nrow))
+    cell_w, cell_h = tile_w + padding, tile_h + caption_h + padding
+    sheet = Image.new("RGB", (cols * cell_w + padding, rows * cell_h + padding), "white")
+    draw = ImageDraw.Draw(sheet)
+    for index in range(count):
+        x = padding + (index % nrow) * cell_w
+        y = padding + (index // nrow) * cell_h
+        tile = Image.fromarray(np.ascontiguousarray(pixels[index].permute(1, 2, 0).numpy()))
+        sheet.paste(tile.resize((tile_w, tile_h), Image.NEAREST), (x, y))
+        for k, line in enumerate(wrapped[index]):
+            draw.text((x, y + tile_h + k * line_h), line, fill="black", font=font)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(path, format="PNG")
+    return path

@@ -9,6 +9,9 @@ A reward function maps B decoded completions and their B examples to one float32
 * Built-in rewards: :class:`TaskVerifierReward` (any task with ``.rewards(texts, examples)``,
   e.g. the arithmetic task), :class:`CountdownReward`, :class:`SudokuReward` and
   :class:`MathAnswerReward` (needs the optional ``math-verify`` package).
+* Image rewards take ``(images [B, 3, H, W] in [0, 1], prompts)`` in the same order:
+  :class:`GenEvalReward` (mini-GenEval attribute correctness) and
+  :class:`CompressibilityReward` (minus the JPEG/PNG size, as in DDPO).
 * :func:`get_reward` builds a registered reward by name.
 
 Invariants: rewards never raise on malformed completion text (it scores 0.0, or the documented
@@ -635,3 +638,134 @@ def get_reward(name: str, **options: Any) -> RewardFunction:
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}")
     return REWARDS[name](**options)
+
+
+# ---------------------------------------------------------------------------- images
+# Image rewards follow the same call order as the text rewards: the generated artefact first,
+# then what it answers. ``__call__(images, examples)``: ``images`` float ``[B, 3, H, W]`` in
+# ``[0, 1]`` (``model.decode(latents)``), ``examples`` B prompt strings (or objects with a
+# ``prompt`` field); the result is float32 ``[B]``. They combine with :class:`CombinedReward`
+# unchanged (it only needs ``len(images) == len(examples)``).
+
+
+def _check_images(owner: str, images: Any, examples: Sequence[Any] | None = None) -> torch.Tensor:
+    """``images`` as float32 ``[B, 3, H, W]`` on CPU, or a clear error naming ``owner``."""
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(
+            f"{owner}: expected images as a torch.Tensor [B, 3, H, W] first and the prompts "
+            f"second, got {type(images).__name__} first"
+        )
+    if images.dim() != 4 or images.shape[1] != 3 or not images.is_floating_point():
+        raise ValueError(
+            f"{owner}: expected a float image tensor [B, 3, H, W], got shape "
+            f"{tuple(images.shape)} dtype {images.dtype}"
+        )
+    images = images.detach().to(device="cpu", dtype=torch.float32)
+    if not bool(torch.isfinite(images).all()) or images.min() < 0 or images.max() > 1:
+        raise ValueError(
+            f"{owner}: image values must be finite and in [0, 1] (pixels, e.g. "
+            "model.decode(latents)), got a tensor outside that range"
+        )
+    if examples is not None:
+        _check_batch(owner, images, examples)
+    return images
+
+
+class GenEvalReward:
+    """Mini-GenEval correctness of an image for its prompt (see
+    :mod:`diffusion_rl.tasks.geneval`): the fraction of the prompt's attributes (colour,
+    shape, position or count) the verifier finds right (``mode="mean"``, a denser signal), or
+    1.0 iff all are right (``mode="all"``). ``min_area`` overrides the verifier's noise floor
+    (default: from the image size). Prompts that are not mini-GenEval prompts raise
+    ``ValueError``."""
+
+    name = "geneval"
+
+    def __init__(self, *, mode: Literal["mean", "all"] = "mean", min_area: int | None = None):
+        if mode not in ("mean", "all"):
+            raise ValueError(f"GenEvalReward.mode: expected 'mean' or 'all', got {mode!r}")
+        if min_area is not None and (
+            isinstance(min_area, bool) or not isinstance(min_area, int) or min_area < 1
+        ):
+            raise ValueError(f"GenEvalReward.min_area: expected an int >= 1, got {min_area!r}")
+        self.mode = mode
+        self.min_area = min_area
+
+    def __repr__(self) -> str:
+        return f"GenEvalReward(mode={self.mode!r}, min_area={self.min_area})"
+
+    def __call__(self, images: torch.Tensor, examples: Sequence[Any]) -> torch.Tensor:
+        from .tasks.geneval import analyze_images, check_objects, to_example
+
+        images = _check_images(self.name, images, examples)
+        parsed = [to_example(example, index) for index, example in enumerate(examples)]
+        values = []
+        for example, objects in zip(parsed, analyze_images(images, self.min_area)):
+            result = check_objects(example, objects)
+            if self.mode == "all":
+                values.append(float(result["overall"]))
+            else:
+                values.append(sum(result[a] for a in example.attributes) / len(example.attributes))
+        return torch.tensor(values, dtype=torch.float32)
+
+
+class CompressibilityReward:
+    """How well the image compresses (DDPO's compressibility reward): minus the size of the
+    image encoded as ``format`` (``"jpeg"`` at ``quality``, or lossless ``"png"``) after
+    rounding to 8-bit, in kilobytes (``unit="kb"``, 1 kB = 1000 bytes) or in bits per pixel
+    (``unit="bpp"``, comparable across image sizes). Prompts are ignored. Higher is flatter."""
+
+    name = "compressibility"
+
+    def __init__(
+        self,
+        *,
+        format: Literal["jpeg", "png"] = "jpeg",
+        quality: int = 95,
+        unit: Literal["kb", "bpp"] = "kb",
+    ) -> None:
+        if format not in ("jpeg", "png"):
+            raise ValueError(
+                f"CompressibilityReward.format: expected 'jpeg' or 'png', got {format!r}"
+            )
+        if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
+            raise ValueError(
+                f"CompressibilityReward.quality: expected an int in [1, 100], got {quality!r}"
+            )
+        if unit not in ("kb", "bpp"):
+            raise ValueError(f"CompressibilityReward.unit: expected 'kb' or 'bpp', got {unit!r}")
+        self.format, self.quality, self.unit = format, quality, unit
+
+    def __repr__(self) -> str:
+        return (
+            f"CompressibilityReward(format={self.format!r}, quality={self.quality}, "
+            f"unit={self.unit!r})"
+        )
+
+    def encoded_bytes(self, image: torch.Tensor) -> int:
+        """Size in bytes of one image ``[3, H, W]`` in ``[0, 1]`` encoded as configured."""
+        import io
+
+        from PIL import Image
+
+        pixels = (image.permute(1, 2, 0) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+        buffer = io.BytesIO()
+        if self.format == "jpeg":
+            Image.fromarray(pixels).save(buffer, format="JPEG", quality=self.quality)
+        else:
+            Image.fromarray(pixels).save(buffer, format="PNG", optimize=False)
+        return buffer.tell()
+
+    def __call__(self, images: torch.Tensor, examples: Sequence[Any] | None = None) -> torch.Tensor:
+        images = _check_images(self.name, images, examples)
+        sizes = torch.tensor([self.encoded_bytes(image) for image in images], dtype=torch.float64)
+        if self.unit == "kb":
+            values = -sizes / 1000.0
+        else:
+            values = -sizes * 8.0 / (images.shape[2] * images.shape[3])
+        return values.to(torch.float32)
+
+
+REWARDS["geneval"] = GenEvalReward
+REWARDS["compressibility"] = CompressibilityReward
+__all__ += ["CompressibilityReward", "GenEvalReward"]
