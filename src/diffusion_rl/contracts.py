@@ -9,6 +9,8 @@ that names the field, what was expected and what was found.
 * :func:`validate_diffusion_logits` — the scorer-boundary check on ``[B, L, V]`` logits.
 * :class:`WeightedMetric` / :class:`LossOutput` — a loss is a *sum* and a *denominator*, so
   micro-batches normalise once by the global denominator (MATH.md §2).
+* :class:`DiffusionDistillationBatch` — a student batch plus the teacher's logits aligned to
+  it slot for slot (MATH.md §4).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "DiffusionDistillationBatch",
     "DiffusionTokenBatch",
     "LossOutput",
     "WeightedMetric",
@@ -351,3 +354,121 @@ class LossOutput:
                 f"LossOutput.aux_metrics[{key!r}]: expected a WeightedMetric or a scalar, "
                 f"got {type(value).__name__}"
             )
+
+
+@dataclass(frozen=True)
+class DiffusionDistillationBatch:
+    """A student batch and the teacher's logits at the very same states (MATH.md §4).
+
+    * ``student_batch``: a :class:`DiffusionTokenBatch` (B rows, L slots); its weights say
+      which slots are trained.
+    * ``teacher_logits``: floating ``[B, L, V]``, target-aligned with ``student_batch``:
+      ``teacher_logits[b, i]`` is the teacher's prediction for slot ``i`` of row ``b`` in the
+      state the student's logits for that slot come from. Values on inactive slots (weight 0)
+      are never read: they may be anything, NaN and inf included.
+
+    The student's logits must have the same vocabulary ``V``
+    (:meth:`validate_student_logits`, called by the loss). Slicing, splitting, concatenation
+    and device moves apply to both parts along dim 0; the class is a PyTorch pytree
+    (children: student_batch, teacher_logits), so the trainer moves it like any batch.
+    """
+
+    student_batch: DiffusionTokenBatch
+    teacher_logits: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.student_batch, DiffusionTokenBatch):
+            raise TypeError(
+                "DiffusionDistillationBatch.student_batch: expected a DiffusionTokenBatch, "
+                f"got {type(self.student_batch).__name__}"
+            )
+        logits = self.teacher_logits
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(
+                "DiffusionDistillationBatch.teacher_logits: expected a torch.Tensor, "
+                f"got {type(logits).__name__}"
+            )
+        try:
+            validate_diffusion_logits(self.student_batch, logits)
+        except (TypeError, ValueError) as error:  # name the field: "logits: ..." → ours
+            message = str(error)
+            if message.startswith("logits:"):
+                message = "teacher_" + message
+            raise type(error)(f"DiffusionDistillationBatch.{message}") from None
+
+    @property
+    def batch_size(self) -> int:
+        return self.student_batch.batch_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.teacher_logits.shape[2]
+
+    def validate_student_logits(self, logits: torch.Tensor) -> None:
+        """Student logits must be ``[B, L, V]`` with the teacher's ``V`` (shared tokenizer)."""
+        validate_diffusion_logits(self.student_batch, logits)
+        if logits.shape[2] != self.vocab_size:
+            raise ValueError(
+                f"student logits: vocabulary size {logits.shape[2]} differs from the teacher's "
+                f"{self.vocab_size}; student and teacher must share one tokenizer"
+            )
+
+    def __getitem__(self, index) -> DiffusionDistillationBatch:
+        rows = self.student_batch[index]
+        if isinstance(index, torch.Tensor) and index.dim() == 0:
+            index = int(index)
+        if not isinstance(index, (torch.Tensor, slice, Sequence)) and hasattr(index, "__index__"):
+            row = int(index) % self.batch_size
+            index = slice(row, row + 1)
+        return DiffusionDistillationBatch(rows, self.teacher_logits[index])
+
+    def to(self, device: torch.device | str) -> DiffusionDistillationBatch:
+        return DiffusionDistillationBatch(
+            self.student_batch.to(device), self.teacher_logits.to(device)
+        )
+
+    def split(self, micro_batch_size: int) -> list[DiffusionDistillationBatch]:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size: expected >= 1, got {micro_batch_size}")
+        return [
+            self[start : start + micro_batch_size]
+            for start in range(0, self.batch_size, micro_batch_size)
+        ]
+
+    @staticmethod
+    def concat(batches: Sequence[DiffusionDistillationBatch]) -> DiffusionDistillationBatch:
+        if not batches:
+            raise ValueError(
+                "DiffusionDistillationBatch.concat: expected at least one batch, got none"
+            )
+        vocab = {b.vocab_size for b in batches}
+        if len(vocab) > 1:
+            raise ValueError(
+                f"DiffusionDistillationBatch.concat: teacher vocabularies differ: {sorted(vocab)}"
+            )
+        return DiffusionDistillationBatch(
+            DiffusionTokenBatch.concat([b.student_batch for b in batches]),
+            torch.cat([b.teacher_logits for b in batches], dim=0),
+        )
+
+
+def _flatten_distill(batch: DiffusionDistillationBatch):
+    return [batch.student_batch, batch.teacher_logits], None
+
+
+def _unflatten_distill(children, _context) -> DiffusionDistillationBatch:
+    student_batch, teacher_logits = children
+    if isinstance(student_batch, DiffusionTokenBatch) and isinstance(teacher_logits, torch.Tensor):
+        return DiffusionDistillationBatch(student_batch, teacher_logits)
+    batch = object.__new__(DiffusionDistillationBatch)  # non-tensor tree_map: keep the structure
+    object.__setattr__(batch, "student_batch", student_batch)
+    object.__setattr__(batch, "teacher_logits", teacher_logits)
+    return batch
+
+
+pytree.register_pytree_node(
+    DiffusionDistillationBatch,
+    _flatten_distill,
+    _unflatten_distill,
+    serialized_type_name="diffusion_rl.contracts.DiffusionDistillationBatch",
+)

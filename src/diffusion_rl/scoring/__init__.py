@@ -11,6 +11,7 @@ from .estimators import (
 )
 from .packed import PackedReplayScorer
 from .replay import ReplayScorer, ReplayScores, masked_entropy
+from .teacher import TeacherScorer, VocabularyMismatchError, check_same_vocabulary
 
 __all__ = [
     "SCORERS",
@@ -20,7 +21,10 @@ __all__ = [
     "PackedReplayScorer",
     "ReplayScorer",
     "ReplayScores",
+    "TeacherScorer",
     "TraceScorer",
+    "VocabularyMismatchError",
+    "check_same_vocabulary",
     "make_scorer",
     "masked_entropy",
 ]

@@ -11,6 +11,10 @@ Input: a :class:`~diffusion_rl.contracts.DiffusionTokenBatch` from
 ``completion_ids``, ``commit_steps``). Inactive slots (weight 0) are sanitised: their logits
 and targets are replaced by 0 before any arithmetic and their outputs are 0, so sentinels or
 non-finite values there never reach a loss or a gradient.
+
+With ``return_logits=True`` dense replay also returns the logits every action was read from
+(the input of on-policy distillation, MATH.md §4: a teacher scored through the same walk sees
+exactly the student's states).
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ REQUIRED_INPUTS = ("prompt_ids", "prompt_mask", "completion_ids", "commit_steps"
 @dataclass(frozen=True)
 class ReplayScores:
     """``logprobs`` float32 ``[B, L]`` (0 on inactive slots); ``entropy`` float32 ``[B, L]`` of
-    the policy at each action's state, or None when not requested."""
+    the policy at each action's state, or None when not requested; ``logits`` float32
+    ``[B, L, V]``, the untempered logits each action was read from (MASK logit at -inf),
+    exactly 0 on non-actions, or None when not requested."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
+    logits: torch.Tensor | None = None
 
 
 def masked_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -100,7 +107,8 @@ class ChunkedReplay:
             parts = [self._score_chunk(chunk) for chunk in chunks]
         logprobs = torch.cat([p.logprobs for p in parts])
         entropy = torch.cat([p.entropy for p in parts]) if self.compute_entropy else None
-        return ReplayScores(logprobs, entropy)
+        logits = torch.cat([p.logits for p in parts]) if parts[0].logits is not None else None
+        return ReplayScores(logprobs, entropy, logits)
 
     def _score_chunk(self, batch: DiffusionTokenBatch) -> ReplayScores:
         raise NotImplementedError
@@ -113,15 +121,24 @@ class ReplayScorer(ChunkedReplay):
     ``micro_batch_size`` bounds how many rows run per forward; ``kernel_id`` pins the
     log-prob kernel recorded in the trace (refused, by name, when unavailable); ``use_cache``
     (default: on for block-causal models, like the sampler) walks the blocks through the block
-    KV cache, so a replay of the sampler's batch runs the sampler's exact computation.
+    KV cache, so a replay of the sampler's batch runs the sampler's exact computation;
+    ``return_logits`` also returns each action's logits (:class:`ReplayScores`).
 
     :meth:`for_trace` builds a scorer with the settings a trace recorded.
     """
 
     kind = "exact replay"
 
-    def __init__(self, model: TokenDenoiser, *, use_cache: bool | None = None, **settings) -> None:
+    def __init__(
+        self,
+        model: TokenDenoiser,
+        *,
+        use_cache: bool | None = None,
+        return_logits: bool = False,
+        **settings,
+    ) -> None:
         super().__init__(model, **settings)
+        self.return_logits = return_logits
         cacheable = model.attention == "block_causal" and hasattr(model, "forward_block")
         if use_cache and not cacheable:
             raise ValueError(
@@ -158,7 +175,7 @@ class ReplayScorer(ChunkedReplay):
             ent = None
             if self.compute_entropy:
                 ent = torch.where(here, masked_entropy(logits, self.temperature), 0.0)
-            return lp, ent
+            return lp, ent, logits if self.return_logits else None
 
         if self.use_cache:
             parts = self._replay_blocks(inputs, steps, acting, canvas_before, read)
@@ -167,7 +184,11 @@ class ReplayScorer(ChunkedReplay):
         logprobs = sum(p[0] for p in parts)
         entropy = sum(p[1] for p in parts) if self.compute_entropy else None
         zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        return ReplayScores(logprobs + zeros, None if entropy is None else entropy + zeros)
+        logits = None
+        if self.return_logits:  # each action's slot is filled by exactly one part
+            start = zeros[..., None].expand(*tokens.shape, self.model.vocab_size)
+            logits = torch.where(acting[..., None], sum((p[2] for p in parts), start), 0.0)
+        return ReplayScores(logprobs + zeros, None if entropy is None else entropy + zeros, logits)
 
     def _replay_canvas(self, batch, steps, acting, canvas_before, read) -> list:
         """One full-canvas forward per distinct step id (any attention)."""
@@ -206,7 +227,10 @@ class ReplayScorer(ChunkedReplay):
 
 
 def _place(piece: tuple, lo: int, hi: int, length: int) -> tuple:
-    """Pad ``[B, hi - lo]`` block results to ``[B, length]``."""
+    """Pad ``[B, hi - lo]`` (or ``[B, hi - lo, V]``) block results to ``[B, length(, V)]``."""
     return tuple(
-        None if t is None else torch.nn.functional.pad(t, (lo, length - hi)) for t in piece
+        None
+        if t is None
+        else torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (lo, length - hi))
+        for t in piece
     )
