@@ -2,6 +2,7 @@
 
 diffusion-rl quickstart                      # SFT + eval on the built-in task, CPU, minutes
 diffusion-rl sft --config FILE [--set k=v]   # masked-diffusion SFT from a YAML config
+diffusion-rl distill --config FILE           # on-policy distillation from a teacher
 diffusion-rl generate --model DIR --prompt "12+34="
 diffusion-rl eval --model DIR [--examples N]
 """
@@ -51,6 +52,20 @@ def cmd_grpo(args) -> int:
     print(
         f"accuracy {results['accuracy_before']:.3f} -> {results['accuracy_after']:.3f}; "
         f"results in {Path(config.output_dir) / 'results.json'}"
+    )
+    return 0
+
+
+def cmd_distill(args) -> int:
+    from .config import DistillRecipeConfig, load_config
+    from .recipes.distill import run_distill
+
+    config = load_config(args.config, DistillRecipeConfig, args.set)
+    report = run_distill(config)
+    student, teacher = report["student"], report["teacher"]
+    print(
+        f"student accuracy {student['accuracy_before']:.3f} -> {student['accuracy_after']:.3f} "
+        f"(teacher {teacher['accuracy']:.3f}); report in {Path(config.output_dir) / 'report.json'}"
     )
     return 0
 
@@ -146,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, run, help_text, example in (
         ("sft", cmd_sft, "masked-diffusion SFT from a YAML config", "optim.lr=3e-4"),
         ("grpo", cmd_grpo, "GRPO / DAPO / Dr.GRPO from a YAML config", "policy.algorithm=dapo"),
+        ("distill", cmd_distill, "on-policy distillation from a YAML config", "teacher.path=DIR"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--config", help="YAML file (omit for all defaults)")

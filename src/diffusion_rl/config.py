@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .objectives.distill import DistillationLossConfig
 from .objectives.grpo import PolicyLossConfig
 from .objectives.sft import MaskedDiffusionSFTConfig
 from .sampling.token import TokenSamplerConfig
@@ -235,3 +236,47 @@ class GRPORecipeConfig(BaseModel):
         if not self.rewards:
             raise ValueError("rewards: expected at least one reward term")
         return self
+
+
+class TeacherSection(BaseModel):
+    """The teacher: a saved model directory sharing the student's tokenizer (any size)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = "runs/quickstart/grpo/model"
+
+
+class DistillRecipeConfig(BaseModel):
+    """``diffusion-rl distill``: on-policy distillation of a student from a teacher.
+
+    Every step samples fresh rollouts from the student's current weights (a trace from other
+    weights is refused), scores the teacher on exactly the student's states, and trains the
+    student on the soft KL (and optional hard CE) of MATH.md §4.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str = "runs/distill"
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = Field(default=None, gt=0)
+    task: TaskSection | None = None  # null: the task recorded in the student's model directory
+    student: PolicyModelSection = PolicyModelSection()
+    teacher: TeacherSection = TeacherSection()
+    objective: DistillationLossConfig = DistillationLossConfig()
+    sampler: TokenSamplerConfig = TokenSamplerConfig(temperature=1.0)
+    eval_temperature: float = Field(default=0.0, ge=0.0)
+    optim: OptimConfig = OptimConfig(lr=5e-4, grad_clip=1.0)
+    steps: int = Field(default=300, gt=0)
+    prompts_per_step: int = Field(default=32, gt=0)
+    samples_per_prompt: int = Field(default=1, gt=0)
+    micro_batch_size: int | None = Field(default=None, gt=0)
+    post_stop_weight: float = Field(default=1.0, ge=0.0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    activation_checkpointing: bool = False
+    eval_every: int = Field(default=50, gt=0)
+    eval_examples: int = Field(default=256, gt=0)
+    checkpoint_every: int = Field(default=50, gt=0)
+    keep_last: int = Field(default=2, gt=0)
+    log_every: int = Field(default=1, gt=0)
+    resume: bool = True
