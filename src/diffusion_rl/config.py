@@ -15,10 +15,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .objectives.distill import DistillationLossConfig
+from .objectives.flow_grpo import FlowGRPOConfig
+from .objectives.flow_sft import FlowSFTConfig
 from .objectives.grpo import PolicyLossConfig
 from .objectives.sft import MaskedDiffusionSFTConfig
+from .sampling.flow import FlowSamplerConfig
 from .sampling.token import TokenSamplerConfig
 from .tasks import TASKS
+from .tasks.geneval import GenEvalConfig, GenEvalTask
 from .train.trainer import OptimConfig
 
 Config = TypeVar("Config", bound=BaseModel)
@@ -280,3 +284,202 @@ class DistillRecipeConfig(BaseModel):
     keep_last: int = Field(default=2, gt=0)
     log_every: int = Field(default=1, gt=0)
     resume: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Flow-matching image recipes: flow-sft and flow-grpo on mini-GenEval
+# ---------------------------------------------------------------------------------------------
+
+
+class ImageTaskSection(GenEvalConfig):
+    """The image task: ``name`` (``geneval``, the only built-in one) and the
+    :class:`~diffusion_rl.tasks.geneval.GenEvalConfig` keys with their defaults (YAML lists
+    are accepted for ``kinds``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+    name: Literal["geneval"] = "geneval"
+
+    def build(self) -> GenEvalTask:
+        return GenEvalTask(GenEvalConfig(**self.model_dump(exclude={"name"})))
+
+
+class FlowModelSection(BaseModel):
+    """A new built-in :class:`~diffusion_rl.models.dit.FlowDiT` of this size, or ``path`` to
+    a saved FlowDiT directory. Image size and prompt vocabulary come from the task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None
+    patch_size: int = Field(default=4, gt=0)
+    d_model: int = Field(default=96, gt=0)
+    n_layers: int = Field(default=4, gt=0)
+    n_heads: int = Field(default=4, gt=0)
+    mlp_ratio: float = Field(default=4.0, gt=0.0)
+
+
+FLOW_SFT_OPTIM_DEFAULTS = {"lr": 1e-3, "schedule": "cosine", "min_lr_ratio": 0.1, "grad_clip": 1.0}
+# Uniform σ and 10 % unconditional rows (the branch classifier-free guidance needs).
+FLOW_SFT_OBJECTIVE_DEFAULTS = {"sigma_sampling": "uniform", "cond_dropout": 0.1}
+# The serving sampler of the image recipes: few Euler steps and strong guidance suit the
+# 16-pixel pixel-space DiT (σ shift 1: pixel space needs no shift towards noise).
+FLOW_SAMPLER_DEFAULTS = {"num_steps": 10, "shift": 1.0, "guidance_scale": 4.0}
+FLOW_GRPO_SAMPLER_DEFAULTS = {**FLOW_SAMPLER_DEFAULTS, "mode": "sde"}
+FLOW_GRPO_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
+
+
+def with_section_defaults(data: Any, defaults: dict[str, dict[str, Any]]) -> Any:
+    """``data`` with each section's recipe defaults under the keys the user gave (a partial
+    section keeps the recipe's other defaults, not the section class's)."""
+    if not isinstance(data, dict):
+        return data
+    merged = dict(data)
+    for name, values in defaults.items():
+        given = merged.get(name)
+        if given is None or isinstance(given, dict):
+            merged[name] = {**values, **(given or {})}
+    return merged
+
+
+class FlowSFTRecipeConfig(BaseModel):
+    """``diffusion-rl flow-sft``: rectified-flow SFT of the built-in DiT on rendered
+    mini-GenEval images, evaluated on held-out prompts with the serving (ODE) sampler."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str = "runs/flow_sft"
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = Field(default=None, gt=0)
+    task: ImageTaskSection = ImageTaskSection()
+    model: FlowModelSection = FlowModelSection()
+    objective: FlowSFTConfig = FlowSFTConfig(**FLOW_SFT_OBJECTIVE_DEFAULTS)
+    optim: OptimConfig = OptimConfig()  # recipe defaults: FLOW_SFT_OPTIM_DEFAULTS, over the run
+    sampler: FlowSamplerConfig = FlowSamplerConfig(**FLOW_SAMPLER_DEFAULTS)
+    steps: int = Field(default=3000, gt=0)
+    batch_size: int = Field(default=64, gt=0)
+    micro_batch_size: int | None = Field(default=None, gt=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    eval_every: int = Field(default=500, gt=0)
+    eval_samples_per_prompt: int = Field(default=4, gt=0)
+    grid_images: int = Field(default=16, ge=0)
+    checkpoint_every: int = Field(default=500, gt=0)
+    keep_last: int = Field(default=2, gt=0)
+    log_every: int = Field(default=10, gt=0)
+    resume: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe_defaults(cls, data: Any) -> Any:
+        """The recipe's defaults under whatever section keys were given; the LR schedule spans
+        the run (``optim.total_steps`` defaults to ``steps``, warm-up to a tenth, at most 100)."""
+        data = with_section_defaults(
+            data,
+            {
+                "objective": FLOW_SFT_OBJECTIVE_DEFAULTS,
+                "sampler": FLOW_SAMPLER_DEFAULTS,
+                "optim": FLOW_SFT_OPTIM_DEFAULTS,
+            },
+        )
+        if not isinstance(data, dict) or not isinstance(data.get("optim"), dict):
+            return data
+        optim = dict(data["optim"])
+        optim.setdefault("total_steps", data.get("steps", cls.model_fields["steps"].default))
+        if isinstance(optim["total_steps"], int):
+            optim.setdefault("warmup_steps", min(100, optim["total_steps"] // 10))
+        return {**data, "optim": optim}
+
+    @model_validator(mode="after")
+    def _fail_closed(self) -> FlowSFTRecipeConfig:
+        if self.sampler.mode != "ode":
+            raise ValueError(
+                "sampler.mode: evaluation serves with the ODE sampler; set mode: ode (SDE "
+                "rollouts belong to flow-grpo)"
+            )
+        return self
+
+
+IMAGE_REWARDS = ("geneval", "compressibility")
+
+
+class ImageRewardSection(RewardSection):
+    """One image reward term: ``geneval`` (mini-GenEval attribute correctness; options
+    ``mode: mean | all``, ``min_area``) or ``compressibility`` (options ``format``,
+    ``quality``, ``unit``), its ``weight`` and options."""
+
+    name: str = "geneval"
+
+    @model_validator(mode="after")
+    def _check(self) -> ImageRewardSection:
+        if self.name not in IMAGE_REWARDS:
+            raise ValueError(
+                f"name: {self.name!r} is not an image reward; use one of {IMAGE_REWARDS}"
+            )
+        from .rewards import get_reward
+
+        get_reward(self.name, **self.options)  # the reward's own options, validated by name
+        return self
+
+
+class FlowPolicyModelSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = "runs/flow_sft/model"
+
+
+class FlowGRPORecipeConfig(BaseModel):
+    """``diffusion-rl flow-grpo``: Flow-GRPO on captured SDE rollouts of a flow model.
+
+    ``policy`` holds the objective's options: advantages per prompt group or with the batch
+    std (``advantage``) clipped to ±``adv_clip``, ``timestep_fraction`` of the SDE steps
+    trained, ``num_iterations`` μ against the start-of-step snapshot, ``beta`` > 0 for the KL
+    to a frozen copy of the starting model (``kl: exact`` or Flow-GRPO's ``flow_grpo``). The
+    sampler's ``sde_window`` restricts SDE (and training) to a window of steps.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str = "runs/flow_grpo"
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = Field(default=None, gt=0)
+    task: ImageTaskSection | None = None  # null: the task recorded in the model directory
+    model: FlowPolicyModelSection = FlowPolicyModelSection()
+    policy: FlowGRPOConfig = FlowGRPOConfig()
+    rewards: list[ImageRewardSection] = [ImageRewardSection()]
+    sampler: FlowSamplerConfig = FlowSamplerConfig(**FLOW_GRPO_SAMPLER_DEFAULTS)
+    optim: OptimConfig = OptimConfig(**FLOW_GRPO_OPTIM_DEFAULTS)
+    steps: int = Field(default=200, gt=0)
+    prompts_per_step: int = Field(default=8, gt=0)
+    group_size: int = Field(default=8, gt=1)
+    allow_off_policy: bool = False
+    offload_device: str | None = None
+    precision: Literal["fp32", "bf16"] = "fp32"
+    eval_every: int = Field(default=25, gt=0)
+    eval_samples_per_prompt: int = Field(default=4, gt=0)
+    grid_images: int = Field(default=16, ge=0)
+    checkpoint_every: int = Field(default=50, gt=0)
+    keep_last: int = Field(default=2, gt=0)
+    log_every: int = Field(default=1, gt=0)
+    resume: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe_defaults(cls, data: Any) -> Any:
+        return with_section_defaults(
+            data, {"sampler": FLOW_GRPO_SAMPLER_DEFAULTS, "optim": FLOW_GRPO_OPTIM_DEFAULTS}
+        )
+
+    @model_validator(mode="after")
+    def _fail_closed(self) -> FlowGRPORecipeConfig:
+        if self.sampler.mode != "sde":
+            raise ValueError(
+                "sampler.mode: rollouts need SDE steps (their log-probs are what is trained); "
+                "set mode: sde (evaluation always serves with the ODE sampler)"
+            )
+        if not self.rewards:
+            raise ValueError("rewards: expected at least one reward term")
+        names = [r.name for r in self.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rewards: each reward may appear once, got {names}")
+        return self

@@ -62,3 +62,54 @@ def load_model_dir(directory: str | Path) -> ModelDir:
             f"match the model (vocab {model.vocab_size}, mask {model.mask_token_id})"
         )
     return ModelDir(model.eval(), tokenizer, info)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flow (image) model directories: FlowDiT's config.json + model.safetensors, plus INFO_FILE
+# ---------------------------------------------------------------------------------------------
+
+
+def is_flow_model_dir(directory: str | Path) -> bool:
+    """True when ``directory`` holds a saved :class:`~diffusion_rl.models.dit.FlowDiT`."""
+    from .dit import MODEL_TYPE
+
+    config = Path(directory) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class FlowModelDir:
+    """A saved FlowDiT (in eval mode) and ``info``: what it was trained for (``task``, the
+    serving ``sampler`` settings, ``trained_steps``)."""
+
+    model: Any
+    info: dict[str, Any]
+
+
+def save_flow_model_dir(directory: str | Path, model, info: dict[str, Any]) -> Path:
+    """Write ``model`` (``save_pretrained``, replaced atomically) and ``info`` (written to a
+    temporary name, then renamed) to ``directory``."""
+    directory = model.save_pretrained(directory)
+    staging = directory / f".{INFO_FILE}.tmp"
+    staging.write_text(json.dumps(info, indent=2) + "\n")
+    staging.replace(directory / INFO_FILE)
+    return directory
+
+
+def load_flow_model_dir(directory: str | Path) -> FlowModelDir:
+    from .dit import FlowDiT
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model directory {directory} does not exist")
+    model = FlowDiT.from_pretrained(directory)
+    info_path = directory / INFO_FILE
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    if "task" not in info and model.config.task is not None:
+        info["task"] = dict(model.config.task)
+    return FlowModelDir(model, info)
