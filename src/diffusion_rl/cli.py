@@ -1,9 +1,10 @@
 """``diffusion-rl``: the command line.
 
-diffusion-rl quickstart                      # SFT + eval on the built-in task, CPU, minutes
+diffusion-rl quickstart [--mode image]       # SFT then RL on a built-in task, CPU, minutes
 diffusion-rl sft --config FILE [--set k=v]   # masked-diffusion SFT from a YAML config
 diffusion-rl distill --config FILE           # on-policy distillation from a teacher
-diffusion-rl generate --model DIR --prompt "12+34="
+diffusion-rl flow-sft / flow-grpo --config FILE  # image models on mini-GenEval
+diffusion-rl generate --model DIR --prompt "12+34="  # an image model: a PNG grid
 diffusion-rl eval --model DIR [--examples N]
 """
 
@@ -70,10 +71,43 @@ def cmd_distill(args) -> int:
     return 0
 
 
-def cmd_quickstart(args) -> int:
-    from .recipes.quickstart import run_quickstart
+def cmd_flow_sft(args) -> int:
+    from .config import FlowSFTRecipeConfig, load_config
+    from .recipes.flow_sft import run_flow_sft
 
-    run_quickstart(args.output_dir, steps=args.steps, rl_steps=args.rl_steps, overrides=args.set)
+    config = load_config(args.config, FlowSFTRecipeConfig, args.set)
+    results = run_flow_sft(config)
+    print(
+        f"held-out accuracy {results['eval']['accuracy']:.3f}; model in {results['model_dir']}; "
+        f"results in {Path(config.output_dir) / 'results.json'}"
+    )
+    return 0
+
+
+def cmd_flow_grpo(args) -> int:
+    from .config import FlowGRPORecipeConfig, load_config
+    from .recipes.flow_grpo import run_flow_grpo
+
+    config = load_config(args.config, FlowGRPORecipeConfig, args.set)
+    results = run_flow_grpo(config)
+    print(
+        f"held-out accuracy {results['accuracy_before']:.3f} -> {results['accuracy_after']:.3f}; "
+        f"results in {Path(config.output_dir) / 'results.json'}"
+    )
+    return 0
+
+
+def cmd_quickstart(args) -> int:
+    from .recipes.quickstart import run_quickstart, run_quickstart_image
+
+    if args.mode == "image":
+        output_dir = args.output_dir or "runs/quickstart_image"
+        run_quickstart_image(
+            output_dir, steps=args.steps, rl_steps=args.rl_steps, overrides=args.set
+        )
+    else:
+        output_dir = args.output_dir or "runs/quickstart"
+        run_quickstart(output_dir, steps=args.steps, rl_steps=args.rl_steps, overrides=args.set)
     return 0
 
 
@@ -86,11 +120,61 @@ def _load(model_dir: str, sampler_overrides: dict):
     return loaded, sampler
 
 
+def cmd_generate_images(args) -> int:
+    """``generate`` for an image model directory: a captioned PNG grid of the samples."""
+    from .models.io import load_flow_model_dir
+    from .plots import save_image_grid
+    from .sampling.flow import FlowSamplerConfig, sample_flow
+    from .tasks.geneval import parse_prompt
+
+    token_flags = {**_sampler_overrides(args), "length": args.length, "trace": args.trace}
+    given = sorted(k for k, v in token_flags.items() if v is not None)
+    if given:
+        raise ValueError(
+            f"--{given[0].replace('_', '-')}: applies to token models; {args.model} is an image model"
+        )
+    loaded = load_flow_model_dir(args.model)
+    settings = {**loaded.info.get("sampler", {}), "mode": "ode"}
+    for key, value in (("num_steps", args.num_steps), ("guidance_scale", args.guidance)):
+        if value is not None:
+            settings[key] = value
+    sampler = FlowSamplerConfig(**settings)
+    prompts = [p for _ in range(args.samples) for p in args.prompt]  # sample-major
+    seeds = [args.seed + i for i in range(len(prompts))]
+    images = sample_flow(loaded.model, prompts, sampler, seeds=seeds).images.float()
+    captions = list(prompts)
+    task_info = dict(loaded.info.get("task") or {})
+    if task_info.pop("name", None) == "geneval":  # mark what the verifier finds right
+        from .tasks.geneval import GenEvalConfig, GenEvalTask
+
+        task = GenEvalTask(GenEvalConfig.model_validate_json(json.dumps(task_info)))
+        for i, prompt in enumerate(prompts):
+            try:
+                verdict = task.verify(images[i : i + 1], [parse_prompt(prompt)])[0]["overall"]
+            except ValueError:
+                continue
+            captions[i] = f"{prompt} {'ok' if verdict else 'x'}"
+    path = save_image_grid(
+        images,
+        args.output,
+        nrow=min(8, len(args.prompt) * args.samples),
+        captions=captions,
+        upscale=6,
+    )
+    for seed, caption in zip(seeds, captions):
+        print(f"seed {seed}: {caption}")
+    print(f"grid written to {path}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
 
+    from .models.io import is_flow_model_dir
     from .sampling import sample_tokens
 
+    if is_flow_model_dir(args.model):
+        return cmd_generate_images(args)
     loaded, sampler = _load(args.model, _sampler_overrides(args))
     if args.length is not None:
         sampler = sampler.model_copy(update={"generation_length": args.length})
@@ -148,7 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("quickstart", help="SFT then GRPO on the built-in task, on CPU, in minutes")
-    p.add_argument("--output-dir", default="runs/quickstart")
+    p.add_argument(
+        "--mode",
+        choices=["text", "image"],
+        default="text",
+        help="text: 2-digit addition (default); image: flow SFT + Flow-GRPO on mini-GenEval",
+    )
+    p.add_argument(
+        "--output-dir", default=None, help="default runs/quickstart (image: runs/quickstart_image)"
+    )
     p.add_argument("--steps", type=int, default=None, help="SFT steps (default: the quickstart's)")
     p.add_argument(
         "--rl-steps", type=int, default=None, help="GRPO steps (default: the quickstart's)"
@@ -162,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("sft", cmd_sft, "masked-diffusion SFT from a YAML config", "optim.lr=3e-4"),
         ("grpo", cmd_grpo, "GRPO / DAPO / Dr.GRPO from a YAML config", "policy.algorithm=dapo"),
         ("distill", cmd_distill, "on-policy distillation from a YAML config", "teacher.path=DIR"),
+        ("flow-sft", cmd_flow_sft, "rectified-flow SFT of an image model", "steps=500"),
+        ("flow-grpo", cmd_flow_grpo, "Flow-GRPO of an image model", "policy.beta=0"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--config", help="YAML file (omit for all defaults)")
@@ -173,15 +267,28 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.set_defaults(func=run)
 
-    p = sub.add_parser("generate", help="sample completions from a saved model")
+    p = sub.add_parser(
+        "generate", help="sample completions (token model) or a PNG grid (image model)"
+    )
     p.add_argument(
-        "--model", required=True, help="a model directory (e.g. runs/quickstart/grpo/model)"
+        "--model",
+        required=True,
+        help="a model directory (e.g. runs/quickstart/grpo/model, runs/flow_grpo/model)",
     )
     p.add_argument("--prompt", required=True, action="append", help="repeat for a batch")
     p.add_argument("--length", type=int, help="generation length (default: the model's task)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="row i uses seed + i")
     p.add_argument("--trace", help="also write the captured trace as JSON here")
     _add_sampler_flags(p)
+    images = p.add_argument_group("image models")
+    images.add_argument(
+        "--output", default="samples.png", help="the PNG grid (default: %(default)s)"
+    )
+    images.add_argument("--samples", type=int, default=1, help="images per prompt")
+    images.add_argument(
+        "--num-steps", dest="num_steps", type=int, help="ODE steps (default: the model's)"
+    )
+    images.add_argument("--guidance", type=float, help="CFG scale (default: the model's)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="verifier accuracy of a saved model on its task")
