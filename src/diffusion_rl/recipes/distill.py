@@ -183,12 +183,17 @@ def build_task(config: DistillRecipeConfig, student_info: dict):
 
 
 def plot_report(
-    metrics_path: Path, png_path: Path, history: list[dict], teacher_accuracy: float, title: str
+    metrics_path: Path,
+    png_path: Path,
+    history: list[dict],
+    teacher_accuracy: float,
+    loss_keys: list[str],
+    title: str,
 ) -> Path:
-    """Two panels: the distillation losses per step; student accuracy vs the teacher line."""
+    """Two panels: the loss terms ``loss_keys`` per step; student accuracy vs the teacher line."""
     records = read_metrics(metrics_path)
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9.5, 3.4))
-    for key in ("distill/soft_loss", "distill/hard_loss"):
+    for key in loss_keys:
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
         if points:
             loss_ax.plot(*zip(*points), linewidth=1.2, label=key.split("/")[1])
@@ -200,7 +205,7 @@ def plot_report(
     acc_ax.plot(steps, [h["accuracy"] for h in history], marker="o", label="student")
     acc_ax.axhline(teacher_accuracy, color="black", linestyle="--", label="teacher")
     acc_ax.set_xlabel("step")
-    acc_ax.set_ylim(0, 1)
+    acc_ax.set_ylim(0, 1.02)
     acc_ax.set_title("held-out accuracy")
     acc_ax.legend()
     acc_ax.grid(alpha=0.3)
@@ -348,6 +353,11 @@ def run_distill(config: DistillRecipeConfig, echo: Callable[[str], None] = print
         out / "report.png",
         history,
         teacher_accuracy,
+        [
+            f"distill/{term}_loss"
+            for term in ("soft", "hard")
+            if getattr(config.objective, f"{term}_weight") > 0
+        ],
         f"on-policy distillation on {task.name}",
     )
     info = {
