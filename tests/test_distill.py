@@ -274,10 +274,15 @@ def test_teacher_logits_equal_a_hand_walk_of_the_students_canvases(attention, bl
     student = tiny_model("block_causal")
     trace = student_trace(student, batch=4)
     teacher = tiny_model(attention, seed=7, block=block, width=width, layers=layers)
+    assert_teacher_walk(teacher, trace)
+
+
+def assert_teacher_walk(teacher, trace) -> None:
+    """TeacherScorer's logits vs the teacher run by hand on the canvas of every action."""
     logits = TeacherScorer.for_trace(teacher, trace).logits(trace.prepare())
     P, Lc = trace.prompt_ids.shape[1], trace.tokens.shape[1]
     checked = 0
-    for b in range(4):
+    for b in range(len(trace)):
         for i in range(Lc):
             step = int(trace.commit_steps[b, i])
             if step < 0:
@@ -292,7 +297,47 @@ def test_teacher_logits_equal_a_hand_walk_of_the_students_canvases(attention, bl
             z[teacher.mask_token_id] = -math.inf
             assert torch.allclose(logits[b, i], z, atol=2e-5), (b, i)
             checked += 1
-    assert checked >= 4 * 4
+    assert checked >= 4 * len(trace)
+
+
+class MaskedLMTeacher(torch.nn.Module):
+    """A Hugging Face masked LM seen through the TokenDenoiser protocol (its logits are
+    same-position, so target-aligned as they are)."""
+
+    attention = "bidirectional"
+    block_size = None
+
+    def __init__(self, model, mask_token_id: int) -> None:
+        super().__init__()
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.mask_token_id = mask_token_id
+
+    def forward(self, input_ids, key_mask, prompt_length):
+        return self.model(input_ids=input_ids, attention_mask=key_mask.long()).logits
+
+
+def test_a_hugging_face_model_can_be_the_teacher():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    config = transformers.BertConfig(
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=48,
+    )
+    teacher = MaskedLMTeacher(transformers.BertForMaskedLM(config).eval(), mask_token_id=MASK)
+    student = tiny_model("block_causal")
+    trace = student_trace(student, batch=4)
+    assert_teacher_walk(teacher, trace)
+    batch = TeacherScorer.for_trace(teacher, trace).distillation_batch(trace.prepare())
+    live = ReplayScorer.for_trace(student, trace, return_logits=True).score(batch.student_batch)
+    out = DistillationLoss()(live.logits, batch)
+    out.primary.value.backward()
+    assert float(out.primary.value.detach()) > 0.1
+    assert all(p.grad is None for p in teacher.parameters())
 
 
 def test_vocabulary_mismatch_is_refused():
