@@ -1,10 +1,15 @@
 """GRPO learning under a fixed CPU budget: exact trace replay vs the mean-field estimator.
 
 Starts from one SFT checkpoint (trained here unless ``--sft-model`` is given), runs the GRPO
-recipe with ``scorer=exact`` and with ``scorer=mean_field`` in two processes side by side
-(one torch thread each, so each gets one core), each stopped after ``--minutes`` of wall
-time on its core, and reports held-out verifier accuracy before and after. Prints one JSON
-object as the last line of stdout.
+recipe with ``scorer=exact`` and with ``scorer=mean_field`` in two processes side by side,
+one torch thread each, each stopped once its process has used ``--minutes`` of *CPU time*
+(``time.process_time``, so a busy machine costs wall time, not learning), and reports
+held-out verifier accuracy before and after. Prints one JSON object as the last line.
+
+The default start is a short SFT run (400 steps: about 36 % greedy accuracy on 2-digit
+addition, 67 % pass@8 at T = 1). RL sharpens what the model can already sample; the gap
+between pass@k and greedy accuracy is its headroom. The quickstart's longer SFT (1500 steps,
+56 % greedy, 82 % pass@8) is reachable with ``--sft-steps 1500``.
 
     python benchmarks/grpo_learning.py --minutes 10
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,24 +30,27 @@ from diffusion_rl.config import GRPORecipeConfig, build_config
 from diffusion_rl.recipes import grpo as recipe
 torch.set_num_threads(1)
 config = build_config(GRPORecipeConfig, json.loads(sys.argv[1]))
-deadline = time.perf_counter() + float(sys.argv[2])
+deadline = time.process_time() + float(sys.argv[2])
 real_step = recipe.PolicyLearner.step
-def step(self, rollout):  # stop the run (through its normal end) once the budget is spent
+def step(self, rollout):  # stop the run (through its normal end) once the CPU budget is spent
     metrics = real_step(self, rollout)
-    if time.perf_counter() > deadline:
+    if time.process_time() > deadline:
         config.steps = self.trainer.global_step // config.policy.num_iterations
     return metrics
 recipe.PolicyLearner.step = step
 result = recipe.run_grpo(config, echo=lambda _: None)
+result["cpu_s"] = round(time.process_time(), 1)
 print(json.dumps(result))
 """
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=10.0, help="GRPO budget per estimator")
+    parser.add_argument(
+        "--minutes", type=float, default=10.0, help="GRPO CPU-time budget per estimator"
+    )
     parser.add_argument("--sft-model", help="an SFT model directory (default: train one here)")
-    parser.add_argument("--sft-steps", type=int, default=1500)
+    parser.add_argument("--sft-steps", type=int, default=400)
     parser.add_argument("--num-digits", type=int, default=2)
     parser.add_argument("--out", default="runs/bench_grpo_learning")
     parser.add_argument(
@@ -76,6 +85,7 @@ def main() -> None:
 
     overrides = parse_overrides(args.set)
     procs = {}
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     for scorer in ("exact", "mean_field"):
         config = {
@@ -106,6 +116,7 @@ def main() -> None:
         "task": task,
         "sft_model": sft_model,
         "wall_s": round(time.perf_counter() - started, 1),
+        "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     for scorer, result in results.items():
         report[scorer] = {
@@ -113,6 +124,7 @@ def main() -> None:
             "accuracy_after": result["accuracy_after"],
             "gain_points": round(100 * (result["accuracy_after"] - result["accuracy_before"]), 2),
             "steps": result["steps"],
+            "cpu_s": result["cpu_s"],
         }
     report["target_met"] = report["exact"]["gain_points"] >= 15
     print(json.dumps(report))
