@@ -228,6 +228,6 @@ def test_flow_matching_training_learns_more_than_pixel_statistics():
         loss.backward()
         optimizer.step()
     after = held_loss()
-    # Measured: fresh 1.98, per-pixel Gaussian 0.64, trained 0.52 (~7 s on one core).
-    assert after < before / 3 and after < gaussian_loss - 0.05, (before, gaussian_loss, after)
+    # Measured: fresh 1.99, per-pixel Gaussian 0.75, trained 0.51 (~7 s on one core).
+    assert after < before / 3 and after < gaussian_loss - 0.1, (before, gaussian_loss, after)
     assert time.perf_counter() - start < 30

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pydantic
 import pytest
@@ -54,6 +56,11 @@ def test_prompt_set_split_and_parser_round_trip():
     # Seeded: same seed same split, another seed another split.
     assert GenEvalTask(GenEvalConfig(seed=0)).prompts("eval") == held
     assert GenEvalTask(GenEvalConfig(seed=1)).prompts("eval") != held
+    # The JSON form of the settings rebuilds the same task.
+    info = json.loads(json.dumps(TASK.info()))
+    assert GenEvalTask.from_info(info).config == TASK.config
+    with pytest.raises(ValueError, match="not 'geneval'"):
+        GenEvalTask.from_info({**info, "name": "arithmetic"})
 
 
 def test_parser_examples_and_errors():

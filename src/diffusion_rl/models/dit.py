@@ -50,7 +50,7 @@ class FlowDiTConfig(BaseModel):
 
     ``vocabulary`` lists the prompt words (default: the mini-GenEval words); ``task`` is free
     JSON recorded with the model (e.g. ``GenEvalTask.info()``) so later stages rebuild the
-    task it was trained for. The default (16 px, patches of 2, 96 wide, 4 layers) has ~0.7 M
+    task it was trained for. The default (16 px, patches of 4, 96 wide, 4 layers) has 0.73 M
     parameters.
     """
 
@@ -58,7 +58,7 @@ class FlowDiTConfig(BaseModel):
 
     image_size: int = Field(default=16, gt=0)
     channels: int = Field(default=3, gt=0)
-    patch_size: int = Field(default=2, gt=0)
+    patch_size: int = Field(default=4, gt=0)
     d_model: int = Field(default=96, gt=0)
     n_layers: int = Field(default=4, gt=0)
     n_heads: int = Field(default=4, gt=0)

@@ -93,7 +93,7 @@ VOCABULARY: tuple[str, ...] = (
 )
 
 # Box sizes as fractions of the image side, per kind; gap between count boxes, jitter.
-_SIZE = {"position": (0.30, 0.40), "count": (0.26, 0.34)}
+_SIZE = {"position": (0.40, 0.50), "count": (0.28, 0.36)}
 _JITTER = 0.06
 _GAP = 2
 # Shape thresholds (see the module docstring); measured on renders at 16-64 px.
@@ -111,7 +111,7 @@ class GenEvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     image_size: int = Field(16, ge=12, le=256)
-    kinds: tuple[Kind, ...] = ("position", "count")
+    kinds: tuple[Kind, ...] = Field(("position", "count"), strict=False)  # JSON gives a list
     max_count: int = Field(3, ge=1, le=len(_NUMBERS))
     heldout_fraction: float = Field(0.2, ge=0.0, lt=0.5)
     min_area: int | None = Field(None, ge=1)
@@ -412,6 +412,15 @@ class GenEvalTask:
         """The task's settings as a JSON-ready dict with its ``name`` (model directories record
         it so later stages rebuild the same task)."""
         return {"name": self.name, **self.config.model_dump(mode="json")}
+
+    @classmethod
+    def from_info(cls, info: dict) -> GenEvalTask:
+        """The task described by :meth:`info` (e.g. read back from a model's JSON config)."""
+        settings = dict(info)
+        name = settings.pop("name", cls.name)
+        if name != cls.name:
+            raise ValueError(f"info: describes task {name!r}, not {cls.name!r}")
+        return cls(GenEvalConfig(**settings))
 
     def _seed(self, *parts: object) -> int:
         key = ":".join(["diffusion_rl.geneval:v1", str(self.config.seed), *map(str, parts)])
