@@ -315,7 +315,15 @@ def test_task_verifier_matches_python_arithmetic():
 
 # ---------------------------------------------------------------------------- registry
 def test_get_reward_registry():
-    assert sorted(REWARDS) == ["countdown", "digits", "math", "sudoku", "verifier"]
+    assert sorted(REWARDS) == [
+        "compressibility",
+        "countdown",
+        "digits",
+        "geneval",
+        "math",
+        "sudoku",
+        "verifier",
+    ]
     assert isinstance(get_reward("countdown", use_all=True), CountdownReward)
     assert get_reward("countdown", use_all=True).use_all
     assert get_reward("sudoku", mode="cells").mode == "cells"
