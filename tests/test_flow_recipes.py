@@ -288,7 +288,13 @@ def test_flow_grpo_from_the_sft_model(tmp_path, sft_run):
 def test_flow_grpo_resume_is_bitwise_and_checks_metadata(tmp_path, sft_run, monkeypatch):
     root, _ = sft_run
     model_dir = root / "sft" / "model"
-    options = {"steps": 3, "eval_every": 10, "policy": {"num_iterations": 2, "beta": 0.01}}
+    options = {
+        "steps": 3,
+        "eval_every": 10,
+        "policy": {"num_iterations": 2, "beta": 0.01},
+        # group members start from one noise; evaluation still serves row by row
+        "sampler": {"num_steps": 4, "micro_batch_size": 4, "share_group_noise": True},
+    }
     straight = run_flow_grpo(grpo_config(tmp_path, model_dir, "straight", **options), **QUIET)
     real_step = Trainer.train_step
 

@@ -134,7 +134,7 @@ def cmd_generate_images(args) -> int:
             f"--{given[0].replace('_', '-')}: applies to token models; {args.model} is an image model"
         )
     loaded = load_flow_model_dir(args.model)
-    settings = {**loaded.info.get("sampler", {}), "mode": "ode"}
+    settings = {**loaded.info.get("sampler", {}), "mode": "ode", "share_group_noise": False}
     for key, value in (("num_steps", args.num_steps), ("guidance_scale", args.guidance)):
         if value is not None:
             settings[key] = value

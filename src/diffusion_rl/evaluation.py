@@ -147,14 +147,15 @@ def evaluate_images(
     Images are ordered sample-major (all prompts with their first seed, then all with the
     second, ...), so the first ``len(prompts)`` images show every prompt once; image ``i``
     uses seed ``seed + i``, the same at every evaluation (fixed-seed samples are comparable
-    across training). ``sampler`` is used with ``mode="ode"`` whatever its mode.
+    across training). ``sampler`` is used with ``mode="ode"`` and without group noise sharing
+    whatever its settings (a rollout sampler serves as is).
     """
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt: expected >= 1, got {samples_per_prompt}")
     examples = [e for _ in range(samples_per_prompt) for e in task.prompts(split)]
     if not examples:
         raise ValueError(f"split {split!r} has no prompts (heldout_fraction is 0?)")
-    sampler = sampler.model_copy(update={"mode": "ode"})
+    sampler = sampler.model_copy(update={"mode": "ode", "share_group_noise": False})
     seeds = [seed + i for i in range(len(examples))]
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):

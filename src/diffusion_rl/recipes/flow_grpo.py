@@ -234,7 +234,9 @@ def run_flow_grpo(
     )
     info = {
         "task": task.info(),
-        "sampler": sampler.model_copy(update={"mode": "ode"}).model_dump(mode="json"),
+        "sampler": sampler.model_copy(
+            update={"mode": "ode", "share_group_noise": False}
+        ).model_dump(mode="json"),
         "trained_steps": trainer.global_step // iterations,
     }
     save_flow_model_dir(out / "model", model, info)
