@@ -132,7 +132,7 @@ def test_partial_sections_keep_the_recipe_defaults():
     assert (sft.optim.total_steps, sft.optim.warmup_steps, sft.optim.schedule) == (
         300,
         30,
-        "cosine",
+        "constant",
     )
 
 

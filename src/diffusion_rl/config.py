@@ -318,7 +318,9 @@ class FlowModelSection(BaseModel):
     mlp_ratio: float = Field(default=4.0, gt=0.0)
 
 
-FLOW_SFT_OPTIM_DEFAULTS = {"lr": 1e-3, "schedule": "cosine", "min_lr_ratio": 0.1, "grad_clip": 1.0}
+# Constant after warm-up: at 3000 steps the cosine decay left the DiT at 16 % held-out accuracy
+# (shapes still at chance), the constant rate at 55 % (same seed and data).
+FLOW_SFT_OPTIM_DEFAULTS = {"lr": 1e-3, "schedule": "constant", "grad_clip": 1.0}
 # Uniform σ and 10 % unconditional rows (the branch classifier-free guidance needs).
 FLOW_SFT_OBJECTIVE_DEFAULTS = {"sigma_sampling": "uniform", "cond_dropout": 0.1}
 # The serving sampler of the image recipes: few Euler steps and strong guidance suit the
