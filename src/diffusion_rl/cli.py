@@ -143,11 +143,11 @@ def cmd_generate_images(args) -> int:
     seeds = [args.seed + i for i in range(len(prompts))]
     images = sample_flow(loaded.model, prompts, sampler, seeds=seeds).images.float()
     captions = list(prompts)
-    task_info = dict(loaded.info.get("task") or {})
-    if task_info.pop("name", None) == "geneval":  # mark what the verifier finds right
-        from .tasks.geneval import GenEvalConfig, GenEvalTask
+    task_info = loaded.info.get("task") or {}
+    if task_info.get("name") == "geneval":  # mark what the verifier finds right
+        from .tasks.geneval import GenEvalTask
 
-        task = GenEvalTask(GenEvalConfig.model_validate_json(json.dumps(task_info)))
+        task = GenEvalTask.from_info(task_info)
         for i, prompt in enumerate(prompts):
             try:
                 verdict = task.verify(images[i : i + 1], [parse_prompt(prompt)])[0]["overall"]

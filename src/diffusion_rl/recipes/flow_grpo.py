@@ -38,7 +38,7 @@ from ..plots import plot_curves
 from ..rewards import CombinedReward, get_reward
 from ..rollout import rollout_seed
 from ..sampling.flow import sample_flow
-from ..tasks.geneval import GenEvalConfig, GenEvalTask
+from ..tasks.geneval import GenEvalTask
 from ..train import CheckpointManager, MetricsLogger, Trainer, progress
 from ..train.flow_policy import FlowPolicyLearner
 from ..train.roles import PolicyRoles
@@ -54,10 +54,12 @@ def build_image_task(config: FlowGRPORecipeConfig, model_info: dict) -> GenEvalT
         raise ConfigError(
             f"task: {config.model.path} does not record its task; set task.name and its options"
         )
-    options = dict(model_info["task"])
-    if options.pop("name", "geneval") != "geneval":
-        raise ConfigError(f"task: {config.model.path} was trained on another task: {options}")
-    return GenEvalTask(GenEvalConfig.model_validate_json(json.dumps(options)))
+    try:
+        return GenEvalTask.from_info(model_info["task"])
+    except ValueError as error:
+        raise ConfigError(
+            f"task: {config.model.path} records a task this recipe cannot run: {error}"
+        ) from None
 
 
 def build_image_rewards(config: FlowGRPORecipeConfig) -> CombinedReward:
