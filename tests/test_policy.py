@@ -235,6 +235,12 @@ def test_roles_snapshot_reference_and_offload():
     assert not torch.equal(next(roles.rollout.parameters()), next(model.parameters()))
     assert roles.sync_rollout() == 1
     assert torch.equal(next(roles.rollout.parameters()), next(model.parameters()))
+    with torch.no_grad():  # as after loading a checkpoint into the actor
+        next(model.parameters()).mul_(0.5)
+    roles.restore(7)
+    assert roles.version == 7
+    assert torch.equal(next(roles.rollout.parameters()), next(model.parameters()))
+    assert roles.sync_rollout() == 8
     with roles.on_compute(roles.reference) as ref:
         assert next(ref.parameters()).device == next(model.parameters()).device
     policy = PolicyLossConfig(num_iterations=2, beta=0.04)

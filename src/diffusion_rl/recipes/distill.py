@@ -42,7 +42,7 @@ from ..tasks import get_task
 from ..trace import TokenTrace
 from ..train import CheckpointManager, MetricsLogger, Trainer, progress
 from ..train.roles import PolicyRoles, frozen_copy
-from .grpo import weights_digest
+from .common import resume_latest, trainer_factory, weights_digest
 from .sft import build_task as build_configured_task
 
 
@@ -235,22 +235,11 @@ def run_distill(config: DistillRecipeConfig, echo: Callable[[str], None] = print
     roles = PolicyRoles(student, reference=False)
     loss = DistillationLoss(config.objective)
 
-    def make_trainer(actor, loss_fn) -> Trainer:
-        return Trainer(
-            actor,
-            loss_fn,
-            config.optim,
-            precision=config.precision,
-            activation_checkpointing=config.activation_checkpointing,
-            seed=config.seed,
-            device=config.device,
-        )
-
     learner = DistillationLearner(
         roles,
         teacher,
         loss,
-        make_trainer,
+        trainer_factory(config),
         micro_batch_size=config.micro_batch_size,
         post_stop_weight=config.post_stop_weight,
     )
@@ -269,16 +258,11 @@ def run_distill(config: DistillRecipeConfig, echo: Callable[[str], None] = print
         "post_stop_weight": config.post_stop_weight,
     }
     manager = CheckpointManager(out / "checkpoints", keep_last=config.keep_last)
-    state: dict[str, Any] = {"prompt_position": 0, "history": [], "teacher_accuracy": None}
-    if manager.latest() is not None:
-        if not config.resume:
-            raise ConfigError(
-                f"output_dir: {out} already holds checkpoints; set resume: true or choose a new "
-                "output_dir"
-            )
-        state = trainer.resume(manager, metadata)
-        roles.rollout.load_state_dict(student.state_dict())
-        roles.version = int(state["weights_version"])
+    state = resume_latest(trainer, manager, metadata, resume=config.resume, out=out)
+    if state is None:
+        state = {"prompt_position": 0, "history": [], "teacher_accuracy": None}
+    else:
+        roles.restore(int(state["weights_version"]))
         echo(f"resumed from {manager.latest()} at step {trainer.global_step}")
     history: list[dict[str, Any]] = list(state["history"])
     echo(

@@ -39,11 +39,11 @@ from ..rewards import CombinedReward, get_reward
 from ..rollout import rollout_seed
 from ..sampling.flow import sample_flow
 from ..tasks.geneval import GenEvalTask
-from ..train import CheckpointManager, MetricsLogger, Trainer, progress
+from ..train import CheckpointManager, MetricsLogger, progress
 from ..train.flow_policy import FlowPolicyLearner
 from ..train.roles import PolicyRoles
+from .common import resume_latest, trainer_factory, weights_digest
 from .flow_sft import check_model_fits_task, eval_metrics, eval_record, write_grid
-from .grpo import weights_digest
 
 
 def build_image_task(config: FlowGRPORecipeConfig, model_info: dict) -> GenEvalTask:
@@ -108,20 +108,10 @@ def run_flow_grpo(
         model, reference=policy.uses_reference, offload_device=config.offload_device
     )
 
-    def make_trainer(actor, loss_fn) -> Trainer:
-        return Trainer(
-            actor,
-            loss_fn,
-            config.optim,
-            precision=config.precision,
-            seed=config.seed,
-            device=config.device,
-        )
-
     learner = FlowPolicyLearner(
         roles,
         FlowGRPOLoss(policy),
-        make_trainer,
+        trainer_factory(config),
         allow_off_policy=config.allow_off_policy,
         seed=config.seed,
     )
@@ -140,16 +130,11 @@ def run_flow_grpo(
     }
     manager = CheckpointManager(out / "checkpoints", keep_last=config.keep_last)
     iterations = policy.num_iterations
-    state: dict[str, Any] = {"prompt_position": 0, "weights_version": 0, "history": []}
-    if manager.latest() is not None:
-        if not config.resume:
-            raise ConfigError(
-                f"output_dir: {out} already holds checkpoints; set resume: true or choose a new "
-                "output_dir"
-            )
-        state = trainer.resume(manager, metadata)
-        roles.rollout.load_state_dict(model.state_dict())
-        roles.version = int(state["weights_version"])
+    state = resume_latest(trainer, manager, metadata, resume=config.resume, out=out)
+    if state is None:
+        state = {"prompt_position": 0, "weights_version": 0, "history": []}
+    else:
+        roles.restore(int(state["weights_version"]))
         echo(f"resumed from {manager.latest()} at step {trainer.global_step // iterations}")
     position, history = int(state["prompt_position"]), list(state["history"])
     echo(

@@ -26,7 +26,8 @@ from ..models.io import load_flow_model_dir, save_flow_model_dir
 from ..objectives.flow_sft import FlowMatchingSFT, flow_sft_batch
 from ..plots import plot_curves, save_image_grid
 from ..tasks.geneval import GenEvalTask
-from ..train import CheckpointManager, MetricsLogger, Trainer, progress
+from ..train import CheckpointManager, MetricsLogger, progress
+from .common import resume_latest, trainer_factory
 
 
 def build_flow_model(section: FlowModelSection, task: GenEvalTask) -> FlowDiT:
@@ -113,14 +114,7 @@ def run_flow_sft(
     task = config.task.build()
     model = build_flow_model(config.model, task)
     objective = FlowMatchingSFT(config.objective)
-    trainer = Trainer(
-        model,
-        objective,
-        config.optim,
-        precision=config.precision,
-        seed=config.seed,
-        device=config.device,
-    )
+    trainer = trainer_factory(config)(model, objective)
     sampler = config.sampler
     metadata = {
         "objective": objective.metadata(),
@@ -131,14 +125,10 @@ def run_flow_sft(
         "micro_batch_size": config.micro_batch_size,
     }
     manager = CheckpointManager(out / "checkpoints", keep_last=config.keep_last)
-    state: dict[str, Any] = {"position": 0, "history": []}
-    if manager.latest() is not None:
-        if not config.resume:
-            raise ConfigError(
-                f"output_dir: {out} already holds checkpoints; set resume: true to continue, "
-                "or choose a new output_dir"
-            )
-        state = trainer.resume(manager, metadata)
+    state = resume_latest(trainer, manager, metadata, resume=config.resume, out=out)
+    if state is None:
+        state = {"position": 0, "history": []}
+    else:
         echo(f"resumed from {manager.latest()} at step {trainer.global_step}")
     position, history = int(state["position"]), list(state["history"])
     echo(f"flow SFT: FlowDiT {model.num_parameters():,} parameters; task: {task!r}")

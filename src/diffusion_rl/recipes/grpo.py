@@ -9,7 +9,6 @@ old policy on the same states, μ inner iterations, versioned weight sync) →
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -26,19 +25,11 @@ from ..plots import plot_curves
 from ..rewards import CombinedReward, get_reward
 from ..rollout import collect_rollouts
 from ..tasks import get_task
-from ..train import CheckpointManager, MetricsLogger, Trainer, progress
+from ..train import CheckpointManager, MetricsLogger, progress
 from ..train.policy import PolicyLearner
 from ..train.roles import PolicyRoles
+from .common import resume_latest, trainer_factory, weights_digest
 from .sft import build_task as build_configured_task
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """A short content hash of a model's weights (identifies the reference in checkpoints)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 def build_rewards(config: GRPORecipeConfig, task) -> CombinedReward:
@@ -89,21 +80,10 @@ def run_grpo(config: GRPORecipeConfig, echo: Callable[[str], None] = print) -> d
     )
     reference_digest = weights_digest(model)
 
-    def make_trainer(actor, loss_fn) -> Trainer:
-        return Trainer(
-            actor,
-            loss_fn,
-            config.optim,
-            precision=config.precision,
-            activation_checkpointing=config.activation_checkpointing,
-            seed=config.seed,
-            device=config.device,
-        )
-
     learner = PolicyLearner(
         roles,
         policy,
-        make_trainer,
+        trainer_factory(config),
         scorer=config.scorer,
         micro_batch_size=config.micro_batch_size,
         allow_off_policy=config.allow_off_policy,
@@ -131,15 +111,10 @@ def run_grpo(config: GRPORecipeConfig, echo: Callable[[str], None] = print) -> d
     iterations = config.policy.num_iterations
     history: list[dict[str, Any]] = []
     results_path = out / "results.json"
-    if manager.latest() is not None:
-        if not config.resume:
-            raise ConfigError(
-                f"output_dir: {out} already holds checkpoints; set resume: true or choose a new output_dir"
-            )
-        data = trainer.resume(manager, metadata)
+    data = resume_latest(trainer, manager, metadata, resume=config.resume, out=out)
+    if data is not None:
         prompt_position = int(data["prompt_position"])
-        roles.rollout.load_state_dict(model.state_dict())
-        roles.version = int(data["weights_version"])
+        roles.restore(int(data["weights_version"]))
         if results_path.is_file():
             history = json.loads(results_path.read_text()).get("history", [])
         echo(f"resumed from {manager.latest()} at step {trainer.global_step // iterations}")

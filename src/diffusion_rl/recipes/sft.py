@@ -24,7 +24,8 @@ from ..models.io import load_model_dir, save_model_dir
 from ..objectives import MaskedDiffusionSFT
 from ..plots import plot_curves
 from ..tasks import get_task
-from ..train import CheckpointManager, MetricsLogger, Trainer, progress
+from ..train import CheckpointManager, MetricsLogger, progress
+from .common import resume_latest, trainer_factory
 
 
 def build_task(section: TaskSection, block_size: int):
@@ -82,15 +83,7 @@ def run_sft(config: SFTRecipeConfig, echo: Callable[[str], None] = print) -> dic
     task = build_task(config.task, config.sampler.block_size)
     model = build_model(config, task)
     objective = MaskedDiffusionSFT(config.objective)
-    trainer = Trainer(
-        model,
-        objective,
-        config.optim,
-        precision=config.precision,
-        activation_checkpointing=config.activation_checkpointing,
-        seed=config.seed,
-        device=config.device,
-    )
+    trainer = trainer_factory(config)(model, objective)
     sampler = config.sampler.model_copy(update={"generation_length": task.completion_length})
     metadata = {
         "objective": objective.metadata(),
@@ -103,13 +96,9 @@ def run_sft(config: SFTRecipeConfig, echo: Callable[[str], None] = print) -> dic
     }
     manager = CheckpointManager(out / "checkpoints", keep_last=config.keep_last)
     position = 0
-    if manager.latest() is not None:
-        if not config.resume:
-            raise ConfigError(
-                f"output_dir: {out} already holds checkpoints; set resume: true to continue, "
-                "or choose a new output_dir"
-            )
-        position = int(trainer.resume(manager, metadata)["position"])
+    state = resume_latest(trainer, manager, metadata, resume=config.resume, out=out)
+    if state is not None:
+        position = int(state["position"])
         echo(f"resumed from {manager.latest()} at step {trainer.global_step}")
     echo(
         f"model: {model.num_parameters():,} parameters, {model.attention} attention; task: {task!r}"

@@ -67,6 +67,11 @@ class PolicyRoles:
         self.version += 1
         return self.version
 
+    def restore(self, version: int) -> None:
+        """After a resume: the rollout weights are the (restored) actor's, at ``version``."""
+        self.rollout.load_state_dict(self.actor.state_dict())
+        self.version = version
+
     def take_snapshot(self) -> nn.Module:
         """The old policy for this step: the actor's current weights, frozen."""
         if self._snapshot is None:
