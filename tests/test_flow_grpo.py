@@ -316,3 +316,19 @@ def test_timestep_fraction_picks_deterministic_steps_inside_the_window():
     assert len({tuple(p) for p in picks}) > 1  # but varies across rollout steps
     metrics = learner.step(trace, torch.linspace(-1, 1, 8))
     assert metrics["flow_grpo/trained_steps"] == 2.0
+
+
+def test_an_update_raises_the_logprob_of_positive_advantages():
+    model = TinyVelocity()
+    learner = make_learner(model, FlowGRPOConfig(beta=0.0), lr=1e-4)
+    trace = rollout(learner.roles.rollout)
+
+    def logprobs():
+        scorer = FlowReplayScorer.for_trace(model, trace, stop_gradient=True)
+        return scorer.score(trace).logprobs.sum(1)  # [B]: summed over the SDE steps
+
+    advantages = torch.tensor([1.0, -1.0] * 4)
+    before = logprobs()
+    learner.step(trace, advantages)
+    change = logprobs() - before
+    assert bool((change[advantages > 0] > 0).all()) and bool((change[advantages < 0] < 0).all())
