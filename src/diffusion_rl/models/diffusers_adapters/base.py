@@ -86,6 +86,19 @@ def _frozen_entries_may_be_missing(module, incompatible_keys) -> None:
     missing[:] = [key for key in missing if _state_dict_keeps(module, key)]
 
 
+# The attention projections of both streams of an MMDiT joint-attention block (SD3, FLUX).
+JOINT_ATTENTION_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
 class FlowPipelineAdapter(nn.Module):
     """Base of :class:`SD3Adapter`, :class:`FluxAdapter` and :class:`WanAdapter`.
 

@@ -25,7 +25,7 @@ from diffusers import (
 )
 
 from ..protocol import Conditioning
-from .base import FlowPipelineAdapter, LoraSettings, check_resolution
+from .base import JOINT_ATTENTION_LORA_TARGETS, FlowPipelineAdapter, LoraSettings, check_resolution
 from .tiny import seeded, tiny_clip_encoder, tiny_clip_tokenizer, tiny_t5_encoder, tiny_t5_tokenizer
 
 
@@ -61,16 +61,7 @@ class FluxAdapter(FlowPipelineAdapter):
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tokenizer_names = ("tokenizer", "tokenizer_2")
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
-    lora_targets = (
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
-    )
+    lora_targets = JOINT_ATTENTION_LORA_TARGETS
 
     def __init__(
         self,
