@@ -8,6 +8,8 @@ import torch
 from diffusion_rl import cli
 from diffusion_rl.config import (
     ConfigError,
+    DistillRecipeConfig,
+    GRPORecipeConfig,
     SFTRecipeConfig,
     build_config,
     load_config,
@@ -68,6 +70,24 @@ def test_defaults_and_overrides():
     assert parse_overrides(["a.b=2", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 2, "c": "x"}, "d": [1, 2]}
     with pytest.raises(ConfigError, match="unknown task 'sudoku9'"):
         build_config(SFTRecipeConfig, {"task": {"name": "sudoku9"}})
+
+
+@pytest.mark.parametrize(
+    ("cls", "temperature", "optim"),
+    [
+        (GRPORecipeConfig, 1.0, {"grad_clip": 1.0, "warmup_steps": 0}),
+        (DistillRecipeConfig, 0.5, {"grad_clip": 1.0, "warmup_steps": 20}),
+    ],
+)
+def test_partial_policy_sections_keep_the_recipe_defaults(cls, temperature, optim):
+    # Regression: `--set sampler.steps_per_block=2` once rebuilt the sampler from the section
+    # class (greedy, T = 0): every group's samples were equal, so every advantage was 0.
+    config = load_config(None, cls, ["sampler.steps_per_block=2", "optim.lr=3e-4"])
+    assert (config.sampler.steps_per_block, config.sampler.temperature) == (2, temperature)
+    assert config.sampler.temperature == cls().sampler.temperature
+    assert config.optim.lr == 3e-4
+    assert {k: getattr(config.optim, k) for k in optim} == optim
+    assert load_config(None, cls, ["sampler.temperature=0.7"]).sampler.temperature == 0.7
 
 
 def test_sft_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):

@@ -195,6 +195,27 @@ class PolicyModelSection(BaseModel):
     path: str = "runs/quickstart/sft/model"
 
 
+def with_section_defaults(data: Any, defaults: dict[str, dict[str, Any]]) -> Any:
+    """``data`` with each section's recipe defaults under the keys the user gave (a partial
+    section keeps the recipe's other defaults, not the section class's)."""
+    if not isinstance(data, dict):
+        return data
+    merged = dict(data)
+    for name, values in defaults.items():
+        given = merged.get(name)
+        if given is None or isinstance(given, dict):
+            merged[name] = {**values, **(given or {})}
+    return merged
+
+
+# Rollouts sample at T = 1 (the policy itself); evaluation is greedy (``eval_temperature``).
+GRPO_SAMPLER_DEFAULTS = {"temperature": 1.0}
+GRPO_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
+# The student explores at T = 0.5; the teacher scores exactly the student's states.
+DISTILL_SAMPLER_DEFAULTS = {"temperature": 0.5}
+DISTILL_OPTIM_DEFAULTS = {"lr": 1e-3, "grad_clip": 1.0, "warmup_steps": 20}
+
+
 class GRPORecipeConfig(BaseModel):
     """``diffusion-rl grpo``: GRPO / DAPO / Dr.GRPO on captured token traces."""
 
@@ -209,9 +230,9 @@ class GRPORecipeConfig(BaseModel):
     policy: PolicyLossConfig = PolicyLossConfig()
     scorer: Literal["exact", "packed", "mean_field", "coupled", "elbo"] = "exact"
     rewards: list[RewardSection] = [RewardSection()]
-    sampler: TokenSamplerConfig = TokenSamplerConfig(temperature=1.0)
+    sampler: TokenSamplerConfig = TokenSamplerConfig(**GRPO_SAMPLER_DEFAULTS)
     eval_temperature: float = Field(default=0.0, ge=0.0)
-    optim: OptimConfig = OptimConfig(lr=1e-4, grad_clip=1.0)
+    optim: OptimConfig = OptimConfig(**GRPO_OPTIM_DEFAULTS)
     steps: int = Field(default=200, gt=0)
     prompts_per_step: int = Field(default=16, gt=0)
     group_size: int = Field(default=8, gt=1)
@@ -229,6 +250,13 @@ class GRPORecipeConfig(BaseModel):
     keep_last: int = Field(default=2, gt=0)
     log_every: int = Field(default=1, gt=0)
     resume: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe_defaults(cls, data: Any) -> Any:
+        return with_section_defaults(
+            data, {"sampler": GRPO_SAMPLER_DEFAULTS, "optim": GRPO_OPTIM_DEFAULTS}
+        )
 
     @model_validator(mode="after")
     def _fail_closed(self) -> GRPORecipeConfig:
@@ -268,9 +296,9 @@ class DistillRecipeConfig(BaseModel):
     student: PolicyModelSection = PolicyModelSection()
     teacher: TeacherSection = TeacherSection()
     objective: DistillationLossConfig = DistillationLossConfig()
-    sampler: TokenSamplerConfig = TokenSamplerConfig(temperature=0.5)
+    sampler: TokenSamplerConfig = TokenSamplerConfig(**DISTILL_SAMPLER_DEFAULTS)
     eval_temperature: float = Field(default=0.0, ge=0.0)
-    optim: OptimConfig = OptimConfig(lr=1e-3, grad_clip=1.0, warmup_steps=20)
+    optim: OptimConfig = OptimConfig(**DISTILL_OPTIM_DEFAULTS)
     steps: int = Field(default=1000, gt=0)
     prompts_per_step: int = Field(default=32, gt=0)
     samples_per_prompt: int = Field(default=1, gt=0)
@@ -284,6 +312,13 @@ class DistillRecipeConfig(BaseModel):
     keep_last: int = Field(default=2, gt=0)
     log_every: int = Field(default=1, gt=0)
     resume: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe_defaults(cls, data: Any) -> Any:
+        return with_section_defaults(
+            data, {"sampler": DISTILL_SAMPLER_DEFAULTS, "optim": DISTILL_OPTIM_DEFAULTS}
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,19 +363,6 @@ FLOW_SFT_OBJECTIVE_DEFAULTS = {"sigma_sampling": "uniform", "cond_dropout": 0.1}
 FLOW_SAMPLER_DEFAULTS = {"num_steps": 10, "shift": 1.0, "guidance_scale": 4.0}
 FLOW_GRPO_SAMPLER_DEFAULTS = {**FLOW_SAMPLER_DEFAULTS, "mode": "sde"}
 FLOW_GRPO_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
-
-
-def with_section_defaults(data: Any, defaults: dict[str, dict[str, Any]]) -> Any:
-    """``data`` with each section's recipe defaults under the keys the user gave (a partial
-    section keeps the recipe's other defaults, not the section class's)."""
-    if not isinstance(data, dict):
-        return data
-    merged = dict(data)
-    for name, values in defaults.items():
-        given = merged.get(name)
-        if given is None or isinstance(given, dict):
-            merged[name] = {**values, **(given or {})}
-    return merged
 
 
 class FlowSFTRecipeConfig(BaseModel):
