@@ -129,8 +129,10 @@ def test_micro_batches_give_the_same_scores(micro):
     chunked = ReplayScorer.for_trace(
         model, trace, stop_gradient=True, compute_entropy=True, micro_batch_size=micro
     ).score(batch)
-    torch.testing.assert_close(chunked.logprobs, whole.logprobs, atol=1e-6, rtol=0)
-    torch.testing.assert_close(chunked.entropy, whole.entropy, atol=1e-6, rtol=0)
+    # A batch of 1 and a batch of 7 may take different GEMM blockings: float32 rounding only
+    # (measured up to 2.1e-6 on log-probs of magnitude ~2.4 on a loaded machine).
+    torch.testing.assert_close(chunked.logprobs, whole.logprobs, atol=1e-6, rtol=2e-6)
+    torch.testing.assert_close(chunked.entropy, whole.entropy, atol=1e-6, rtol=2e-6)
 
 
 def test_entropy_is_finite_with_mask_logit_and_matches_definition():

@@ -145,11 +145,11 @@ def test_row_output_independent_of_batch(attention, schedule):
         )
         assert torch.equal(alone.tokens[0], batched.tokens[row])
         assert torch.equal(alone.trace.commit_steps[0], batched.trace.commit_steps[row])
-        torch.testing.assert_close(
+        torch.testing.assert_close(  # batch 1 vs 8: GEMM blocking may round differently
             alone.trace.behaviour_logprobs[0],
             batched.trace.behaviour_logprobs[row],
             atol=1e-6,
-            rtol=0,
+            rtol=2e-6,
         )
 
 
