@@ -63,7 +63,7 @@ def main() -> None:
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     results = []
-    for share, window in itertools.product((False, True), (None, [0, 4], [0, 2])):
+    for share, window in itertools.product((False, True), (None, (0, 4), (0, 2))):
         sampler = config.sampler.model_copy(
             update={"share_group_noise": share, "sde_window": window}
         )
