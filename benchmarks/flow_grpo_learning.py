@@ -61,15 +61,6 @@ BENCHMARK_SETTINGS = {
 }
 
 
-def merged(base: dict, override: dict) -> dict:
-    """``base`` with ``override`` on top, section by section."""
-    out = dict(base)
-    for key, value in override.items():
-        both = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = merged(out[key], value) if both else value
-    return out
-
-
 def run_recipe(module: str, cls: str, run: str, config: dict, seconds: float, patch: str = ""):
     """The recipe in a fresh one-thread process; its results dict (with ``cpu_s``)."""
     code = RUN.format(module=module, cls=cls, run=run, patch=patch)
@@ -99,7 +90,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from diffusion_rl.config import parse_overrides
+    from diffusion_rl.config import merge_overrides, parse_overrides
 
     out = Path(args.out)
     load_before = os.getloadavg()[0]
@@ -118,7 +109,7 @@ def main() -> None:
         sft = run_recipe("flow_sft", "FlowSFTRecipeConfig", "run_flow_sft", config, 0.0)
         sft_model = sft["model_dir"]
 
-    settings = merged(BENCHMARK_SETTINGS, parse_overrides(args.set))
+    settings = merge_overrides(BENCHMARK_SETTINGS, parse_overrides(args.set))
     config = {
         "output_dir": str(out / "flow_grpo"),
         "model": {"path": sft_model},

@@ -56,15 +56,6 @@ BENCHMARK_SETTINGS = {
 }
 
 
-def merged(base: dict, override: dict) -> dict:
-    """``base`` with ``override`` on top, section by section."""
-    out = dict(base)
-    for key, value in override.items():
-        both = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = merged(out[key], value) if both else value
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -102,9 +93,9 @@ def main() -> None:
         )
         sft_model = str(out / "sft" / "model")
 
-    from diffusion_rl.config import parse_overrides
+    from diffusion_rl.config import merge_overrides, parse_overrides
 
-    overrides = merged(BENCHMARK_SETTINGS, parse_overrides(args.set))
+    overrides = merge_overrides(BENCHMARK_SETTINGS, parse_overrides(args.set))
     procs = {}
     load_before = os.getloadavg()[0]
     started = time.perf_counter()

@@ -13,6 +13,7 @@ from diffusion_rl.config import (
     SFTRecipeConfig,
     build_config,
     load_config,
+    merge_overrides,
     parse_overrides,
 )
 from diffusion_rl.models.io import load_model_dir
@@ -68,6 +69,15 @@ def test_defaults_and_overrides():
         30,
     )
     assert parse_overrides(["a.b=2", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 2, "c": "x"}, "d": [1, 2]}
+    base = {"policy": {"beta": 0.0, "clip_low": 0.2}, "steps": 5, "kinds": [1]}
+    on_top = parse_overrides(["policy.beta=0.04", "kinds=[2]", "seed=1"])
+    assert merge_overrides(base, on_top) == {
+        "policy": {"beta": 0.04, "clip_low": 0.2},
+        "steps": 5,
+        "kinds": [2],
+        "seed": 1,
+    }
+    assert base["policy"]["beta"] == 0.0  # inputs untouched
     with pytest.raises(ConfigError, match="unknown task 'sudoku9'"):
         build_config(SFTRecipeConfig, {"task": {"name": "sudoku9"}})
 
