@@ -90,7 +90,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from diffusion_rl.config import merge_overrides, parse_overrides
+    from diffusion_rl.config import merge_dicts, parse_overrides
 
     out = Path(args.out)
     load_before = os.getloadavg()[0]
@@ -109,7 +109,7 @@ def main() -> None:
         sft = run_recipe("flow_sft", "FlowSFTRecipeConfig", "run_flow_sft", config, 0.0)
         sft_model = sft["model_dir"]
 
-    settings = merge_overrides(BENCHMARK_SETTINGS, parse_overrides(args.set))
+    settings = merge_dicts(BENCHMARK_SETTINGS, parse_overrides(args.set))
     config = {
         "output_dir": str(out / "flow_grpo"),
         "model": {"path": sft_model},

@@ -93,9 +93,9 @@ def main() -> None:
         )
         sft_model = str(out / "sft" / "model")
 
-    from diffusion_rl.config import merge_overrides, parse_overrides
+    from diffusion_rl.config import merge_dicts, parse_overrides
 
-    overrides = merge_overrides(BENCHMARK_SETTINGS, parse_overrides(args.set))
+    overrides = merge_dicts(BENCHMARK_SETTINGS, parse_overrides(args.set))
     procs = {}
     load_before = os.getloadavg()[0]
     started = time.perf_counter()

@@ -13,7 +13,7 @@ from diffusion_rl.config import (
     SFTRecipeConfig,
     build_config,
     load_config,
-    merge_overrides,
+    merge_dicts,
     parse_overrides,
 )
 from diffusion_rl.models.io import load_model_dir
@@ -71,7 +71,7 @@ def test_defaults_and_overrides():
     assert parse_overrides(["a.b=2", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 2, "c": "x"}, "d": [1, 2]}
     base = {"policy": {"beta": 0.0, "clip_low": 0.2}, "steps": 5, "kinds": [1]}
     on_top = parse_overrides(["policy.beta=0.04", "kinds=[2]", "seed=1"])
-    assert merge_overrides(base, on_top) == {
+    assert merge_dicts(base, on_top) == {
         "policy": {"beta": 0.04, "clip_low": 0.2},
         "steps": 5,
         "kinds": [2],

@@ -121,18 +121,6 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def merge_overrides(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``override`` on top, section by section (nested dicts merge; any other
-    value replaces). Neither input is modified."""
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_overrides(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     """``["optim.lr=3e-4", "steps=10"]`` → nested dict; values parsed as YAML scalars."""
     tree: dict[str, Any] = {}
@@ -145,6 +133,8 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
 
 
 def merge_dicts(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` on top, section by section (nested dicts merge; any other value
+    replaces). Neither input is modified."""
     out = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
