@@ -6,6 +6,9 @@ thread, stopped (through the recipe's normal end: final evaluation, checkpoint, 
 results) once the process has used ``--minutes`` of *CPU time* (``time.process_time``, so a
 loaded machine costs wall time, not learning), and reports held-out verifier accuracy before
 and after, overall and per attribute, with the before/after PNG grids of fixed-seed samples.
+Also reports the accuracy on the *train* prompts (ODE, fixed evaluation seeds, which the
+rollouts never use) before and after: held-out prompts are unseen shape × colour × position
+combinations, so the two numbers separate learning from compositional transfer.
 Prints one JSON object as the last line of stdout.
 
 RL sharpens what the model can already sample: the SFT checkpoint should be partly right,
@@ -76,6 +79,29 @@ def run_recipe(module: str, cls: str, run: str, config: dict, seconds: float, pa
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def train_prompt_accuracy(model_dir: str, settings: dict) -> dict[str, float]:
+    """Verifier accuracy per attribute on the train prompts: the run's evaluation (its sampler
+    as ODE, ``eval_samples_per_prompt`` images per prompt, seeds 0, 1, ...)."""
+    import torch
+
+    from diffusion_rl.config import FlowGRPORecipeConfig, build_config
+    from diffusion_rl.evaluation import evaluate_images
+    from diffusion_rl.models.io import load_flow_model_dir
+    from diffusion_rl.tasks.geneval import GenEvalTask
+
+    torch.set_num_threads(1)
+    loaded = load_flow_model_dir(model_dir)
+    config = build_config(FlowGRPORecipeConfig, {**settings, "model": {"path": model_dir}})
+    result = evaluate_images(
+        loaded.model,
+        GenEvalTask.from_info(loaded.info["task"]),
+        config.sampler,
+        samples_per_prompt=config.eval_samples_per_prompt,
+        split="train",
+    )
+    return {key: round(value, 4) for key, value in result.attributes.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=15.0, help="Flow-GRPO CPU-time budget")
@@ -124,6 +150,8 @@ def main() -> None:
         "flow_grpo", "FlowGRPORecipeConfig", "run_flow_grpo", config, args.minutes * 60, GRPO_PATCH
     )
     before, after = grpo["attributes_before"], grpo["attributes_after"]
+    train_before = train_prompt_accuracy(sft_model, settings)
+    train_after = train_prompt_accuracy(grpo["model_dir"], settings)
     report = {
         "benchmark": "flow_grpo_learning",
         "minutes": args.minutes,
@@ -133,6 +161,11 @@ def main() -> None:
         "attributes_before": before,
         "attributes_after": after,
         "attribute_gain_points": {k: round(100 * (after[k] - before[k]), 2) for k in after},
+        "train_prompts_before": train_before,
+        "train_prompts_after": train_after,
+        "train_prompts_gain_points": round(
+            100 * (train_after["overall"] - train_before["overall"]), 2
+        ),
         "steps": grpo["steps"],
         "cpu_s": grpo["cpu_s"],
         "held_out_images": grpo["eval"]["num_images"],
