@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from diffusion_rl import cli
 from diffusion_rl.config import (
@@ -18,6 +19,7 @@ from diffusion_rl.config import (
     build_config,
     load_config,
 )
+from diffusion_rl.evaluation import evaluate_images
 from diffusion_rl.models.dit import FlowDiT
 from diffusion_rl.models.io import is_flow_model_dir, load_flow_model_dir
 from diffusion_rl.recipes.flow_grpo import run_flow_grpo
@@ -285,10 +287,34 @@ def test_flow_grpo_from_the_sft_model(tmp_path, sft_run):
     assert moved > 0
 
 
-def test_flow_grpo_resume_is_bitwise_and_checks_metadata(tmp_path, sft_run, monkeypatch):
+def test_flow_grpo_ema_is_evaluated_and_saved(tmp_path, sft_run):
+    root, _ = sft_run
+    model_dir = root / "sft" / "model"
+    config = grpo_config(tmp_path, model_dir, ema_decay=0.25, keep_last=3)
+    result = run_flow_grpo(config, **QUIET)
+    checkpoints = tmp_path / "grpo" / "checkpoints"
+    live = [load_file(checkpoints / f"step_{n:08d}" / "model.safetensors") for n in (1, 2)]
+    saved = load_flow_model_dir(tmp_path / "grpo" / "model")
+    assert saved.info["ema_decay"] == 0.25
+    ema = saved.model.state_dict()
+    # the average starts at the first update's weights, then ema ← 0.25 ema + 0.75 live
+    for name, first in live[0].items():
+        torch.testing.assert_close(ema[name], 0.25 * first + 0.75 * live[1][name])
+    assert any(not torch.equal(ema[k], live[1][k]) for k in live[1])
+    # the evaluation served the average: the final accuracy is the saved model's
+    task = GenEvalTask()
+    again = evaluate_images(
+        saved.model, task, config.sampler, samples_per_prompt=1, seed=config.seed
+    )
+    assert result["accuracy_after"] == again.accuracy
+
+
+@pytest.mark.parametrize("ema_decay", [None, 0.5])
+def test_flow_grpo_resume_is_bitwise_and_checks_metadata(tmp_path, sft_run, monkeypatch, ema_decay):
     root, _ = sft_run
     model_dir = root / "sft" / "model"
     options = {
+        "ema_decay": ema_decay,
         "steps": 3,
         "eval_every": 10,
         "policy": {"num_iterations": 2, "beta": 0.01},

@@ -461,6 +461,8 @@ class FlowGRPORecipeConfig(BaseModel):
     trained, ``num_iterations`` μ against the start-of-step snapshot, ``beta`` > 0 for the KL
     to a frozen copy of the starting model (``kl: exact`` or Flow-GRPO's ``flow_grpo``). The
     sampler's ``sde_window`` restricts SDE (and training) to a window of steps.
+    ``ema_decay``: keep an exponential moving average of the actor's weights (updated after
+    every optimizer step; rollouts still use the live weights) and evaluate and save it.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -478,6 +480,7 @@ class FlowGRPORecipeConfig(BaseModel):
     steps: int = Field(default=200, gt=0)
     prompts_per_step: int = Field(default=8, gt=0)
     group_size: int = Field(default=8, gt=1)
+    ema_decay: float | None = Field(default=None, gt=0.0, lt=1.0)
     allow_off_policy: bool = False
     offload_device: str | None = None
     precision: Literal["fp32", "bf16"] = "fp32"

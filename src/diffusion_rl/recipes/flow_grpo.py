@@ -12,7 +12,10 @@ Each step:
    takes μ trainer steps and syncs the rollout weights (version v + 1).
 
 The model is evaluated before training, every ``eval_every`` steps and at the end, on the
-held-out prompts with the ODE sampler at fixed seeds (:func:`evaluate_images`). Writes to
+held-out prompts with the ODE sampler at fixed seeds (:func:`evaluate_images`). With
+``ema_decay`` the evaluated and saved model is an exponential moving average of the actor's
+weights (``torch.optim.swa_utils.AveragedModel``, updated after every learner step and kept
+in the checkpoints); rollouts always use the live actor. Writes to
 ``output_dir``: ``metrics.jsonl`` (+ TensorBoard), ``checkpoints/`` (exact resume: model,
 optimizer, RNGs, prompt position, weights version, history; the reference's weights digest is
 checked), ``samples/before.png``, ``samples/step_N.png``, ``samples/after.png``, ``model/``,
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ..config import ConfigError, FlowGRPORecipeConfig
 from ..evaluation import ImageEvalResult, evaluate_images
@@ -116,6 +120,10 @@ def run_flow_grpo(
         seed=config.seed,
     )
     trainer = learner.trainer
+    ema = None
+    if config.ema_decay is not None:
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay))
+    served = model if ema is None else ema.module  # what is evaluated and saved
     reward_fn = build_image_rewards(config)
     sampler = config.sampler
     metadata = {
@@ -127,6 +135,7 @@ def run_flow_grpo(
         "rewards": [r.model_dump() for r in config.rewards],
         "group_size": config.group_size,
         "prompts_per_step": config.prompts_per_step,
+        "ema_decay": config.ema_decay,
     }
     manager = CheckpointManager(out / "checkpoints", keep_last=config.keep_last)
     iterations = policy.num_iterations
@@ -135,6 +144,8 @@ def run_flow_grpo(
         state = {"prompt_position": 0, "weights_version": 0, "history": []}
     else:
         roles.restore(int(state["weights_version"]))
+        if ema is not None:
+            ema.load_state_dict(state["ema"])
         echo(f"resumed from {manager.latest()} at step {trainer.global_step // iterations}")
     position, history = int(state["prompt_position"]), list(state["history"])
     echo(
@@ -144,7 +155,7 @@ def run_flow_grpo(
 
     def evaluate(grid_name: str) -> ImageEvalResult:
         result = evaluate_images(
-            model,
+            served,
             task,
             sampler,
             samples_per_prompt=config.eval_samples_per_prompt,
@@ -162,6 +173,8 @@ def run_flow_grpo(
             "weights_version": roles.version,
             "history": history,
         }
+        if ema is not None:
+            data["ema"] = ema.state_dict()
         trainer.save_checkpoint(manager, metadata, data)
 
     started = time.perf_counter()
@@ -197,6 +210,8 @@ def run_flow_grpo(
                 eps=policy.std_eps,
             )
             metrics = learner.step(sample.trace, advantages)
+            if ema is not None:
+                ema.update_parameters(model)
             metrics.update(rollout_stats(rewards, task, images, examples, config.group_size))
             step = trainer.global_step // iterations
             bar.update(1)
@@ -225,8 +240,9 @@ def run_flow_grpo(
             update={"mode": "ode", "share_group_noise": False}
         ).model_dump(mode="json"),
         "trained_steps": trainer.global_step // iterations,
+        "ema_decay": config.ema_decay,
     }
-    save_flow_model_dir(out / "model", model, info)
+    save_flow_model_dir(out / "model", served, info)
     before = history[0]
     results = {
         "recipe": "flow_grpo",
