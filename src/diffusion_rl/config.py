@@ -478,8 +478,8 @@ class FlowGRPORecipeConfig(BaseModel):
     sampler: FlowSamplerConfig = FlowSamplerConfig(**FLOW_GRPO_SAMPLER_DEFAULTS)
     optim: OptimConfig = OptimConfig(**FLOW_GRPO_OPTIM_DEFAULTS)
     steps: int = Field(default=200, gt=0)
-    prompts_per_step: int = Field(default=8, gt=0)
-    group_size: int = Field(default=8, gt=1)
+    prompts_per_step: int = Field(default=4, gt=0)
+    group_size: int = Field(default=16, gt=1)
     ema_decay: float | None = Field(default=None, gt=0.0, lt=1.0)
     allow_off_policy: bool = False
     offload_device: str | None = None
