@@ -462,7 +462,8 @@ class FlowGRPORecipeConfig(BaseModel):
     to a frozen copy of the starting model (``kl: exact`` or Flow-GRPO's ``flow_grpo``). The
     sampler's ``sde_window`` restricts SDE (and training) to a window of steps.
     ``ema_decay``: keep an exponential moving average of the actor's weights (updated after
-    every optimizer step; rollouts still use the live weights) and evaluate and save it.
+    every Flow-GRPO step, i.e. every μ optimizer steps; rollouts still use the live weights)
+    and evaluate and save it.
     """
 
     model_config = ConfigDict(extra="forbid")
