@@ -382,6 +382,19 @@ def test_cli_flow_commands_generate_and_errors(tmp_path, sft_run, capsys):
     assert lines[0].startswith("seed 0: a red circle on the left")
     assert lines[3].startswith("seed 3: two blue squares") and grid.read_bytes()[:8] == PNG
 
+    # eval on an image model: the recipe's own final evaluation (same sampler, seeds, images)
+    report = tmp_path / "eval.json"
+    sft_model = str(root / "sft" / "model")
+    assert cli.main(["eval", "--model", sft_model, "--samples", "1", "--output", str(report)]) == 0
+    recorded = json.loads((root / "sft" / "results.json").read_text())["eval"]
+    evaluated = json.loads(report.read_text())
+    assert evaluated["attributes"] == recorded["attributes"]
+    assert evaluated["num_images"] == recorded["num_images"] == len(GenEvalTask().prompts("eval"))
+    assert evaluated["sampler"]["mode"] == "ode" and evaluated["sampler"]["num_steps"] == 4
+    assert capsys.readouterr().out.startswith(f"accuracy {recorded['accuracy']:.3f} on ")
+    assert cli.main(["eval", "--model", sft_model, "--examples", "8"]) == 2
+    assert "--examples: applies to token models" in capsys.readouterr().err
+
     assert cli.main(["flow-sft", "--set", "task.kindz=[count]"]) == 2
     assert "task.kindz: unknown key" in capsys.readouterr().err
     assert (

@@ -169,6 +169,8 @@ def test_cli_generate_eval_and_errors(tmp_path, capsys):
     )
     assert json.loads((tmp_path / "e.json").read_text())["num_examples"] == 8
     capsys.readouterr()
+    assert cli.main(["eval", "--model", model_dir, "--guidance", "2"]) == 2
+    assert "--guidance: applies to image models" in capsys.readouterr().err
     assert cli.main(["sft", "--set", "stepz=1"]) == 2
     assert "stepz: unknown key" in capsys.readouterr().err
     assert cli.main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "1+1="]) == 2

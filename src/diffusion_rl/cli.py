@@ -5,7 +5,7 @@ diffusion-rl sft --config FILE [--set k=v]   # masked-diffusion SFT from a YAML 
 diffusion-rl distill --config FILE           # on-policy distillation from a teacher
 diffusion-rl flow-sft / flow-grpo --config FILE  # image models on mini-GenEval
 diffusion-rl generate --model DIR --prompt "12+34="  # an image model: a PNG grid
-diffusion-rl eval --model DIR [--examples N]
+diffusion-rl eval --model DIR [--examples N]      # an image model: accuracy per attribute
 """
 
 from __future__ import annotations
@@ -120,25 +120,36 @@ def _load(model_dir: str, sampler_overrides: dict):
     return loaded, sampler
 
 
-def cmd_generate_images(args) -> int:
-    """``generate`` for an image model directory: a captioned PNG grid of the samples."""
-    from .models.io import load_flow_model_dir
-    from .plots import save_image_grid
-    from .sampling.flow import FlowSamplerConfig, sample_flow
-    from .tasks.geneval import parse_prompt
-
-    token_flags = {**_sampler_overrides(args), "length": args.length, "trace": args.trace}
-    given = sorted(k for k, v in token_flags.items() if v is not None)
+def _check_no_token_flags(args, *names: str) -> None:
+    flags = {**_sampler_overrides(args), **{name: getattr(args, name) for name in names}}
+    given = sorted(k for k, v in flags.items() if v is not None)
     if given:
         raise ValueError(
             f"--{given[0].replace('_', '-')}: applies to token models; {args.model} is an image model"
         )
-    loaded = load_flow_model_dir(args.model)
-    settings = {**loaded.info.get("sampler", {}), "mode": "ode", "share_group_noise": False}
+
+
+def _serving_sampler(info: dict, args):
+    """The model directory's recorded sampler as ODE, with ``--num-steps`` / ``--guidance``."""
+    from .sampling.flow import FlowSamplerConfig
+
+    settings = {**info.get("sampler", {}), "mode": "ode", "share_group_noise": False}
     for key, value in (("num_steps", args.num_steps), ("guidance_scale", args.guidance)):
         if value is not None:
             settings[key] = value
-    sampler = FlowSamplerConfig(**settings)
+    return FlowSamplerConfig(**settings)
+
+
+def cmd_generate_images(args) -> int:
+    """``generate`` for an image model directory: a captioned PNG grid of the samples."""
+    from .models.io import load_flow_model_dir
+    from .plots import save_image_grid
+    from .sampling.flow import sample_flow
+    from .tasks.geneval import parse_prompt
+
+    _check_no_token_flags(args, "length", "trace")
+    loaded = load_flow_model_dir(args.model)
+    sampler = _serving_sampler(loaded.info, args)
     prompts = [p for _ in range(args.samples) for p in args.prompt]  # sample-major
     seeds = [args.seed + i for i in range(len(prompts))]
     images = sample_flow(loaded.model, prompts, sampler, seeds=seeds).images.float()
@@ -210,15 +221,61 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_eval_images(args) -> int:
+    """``eval`` for an image model directory: verifier accuracy per attribute on its task's
+    ``--split`` prompts, ``--samples`` images each (seeds ``--seed``, ``--seed`` + 1, ...)."""
+    from .evaluation import evaluate_images
+    from .models.io import load_flow_model_dir
+    from .tasks.geneval import GenEvalTask
+
+    _check_no_token_flags(args, "examples")
+    loaded = load_flow_model_dir(args.model)
+    task_info = loaded.info.get("task")
+    if not task_info or task_info.get("name") != GenEvalTask.name:
+        raise ValueError(f"--model: {args.model} records no mini-GenEval task to evaluate on")
+    sampler = _serving_sampler(loaded.info, args)
+    result = evaluate_images(
+        loaded.model,
+        GenEvalTask.from_info(task_info),
+        sampler,
+        samples_per_prompt=args.samples or 16,
+        split=args.split,
+        seed=args.seed,
+    )
+    print(
+        f"accuracy {result.accuracy:.3f} on {result.num_images} {args.split} images "
+        f"({sampler.num_steps} ODE steps, guidance {sampler.guidance_scale:g})"
+    )
+    print("  " + "  ".join(f"{k} {v:.3f}" for k, v in result.attributes.items()))
+    if args.output:
+        record = {**result.to_dict(), "sampler": sampler.model_dump(mode="json")}
+        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
 def cmd_eval(args) -> int:
     from .evaluation import evaluate_task, format_samples
+    from .models.io import is_flow_model_dir
     from .tasks import get_task
 
+    if is_flow_model_dir(args.model):
+        return cmd_eval_images(args)
+    image_flags = {"samples": args.samples, "num_steps": args.num_steps, "guidance": args.guidance}
+    given = sorted(k for k, v in image_flags.items() if v is not None)
+    if given:
+        raise ValueError(
+            f"--{given[0].replace('_', '-')}: applies to image models; {args.model} is a token model"
+        )
     loaded, sampler = _load(args.model, _sampler_overrides(args))
     task_info = dict(loaded.info.get("task", {"name": "arithmetic"}))
     task = get_task(task_info.pop("name"), **task_info)
     result = evaluate_task(
-        loaded.model, task, sampler, num_examples=args.examples, split=args.split, seed=args.seed
+        loaded.model,
+        task,
+        sampler,
+        num_examples=args.examples or 256,
+        split=args.split,
+        seed=args.seed,
     )
     print(f"accuracy {result.accuracy:.3f} on {result.num_examples} {args.split} problems")
     print(format_samples(result.samples))
@@ -292,12 +349,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="verifier accuracy of a saved model on its task")
-    p.add_argument("--model", required=True)
-    p.add_argument("--examples", type=int, default=256)
+    p.add_argument("--model", required=True, help="a token or image model directory")
+    p.add_argument("--examples", type=int, help="problems (token models; default 256)")
     p.add_argument("--split", choices=["eval", "train"], default="eval")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write the result JSON here")
     _add_sampler_flags(p)
+    images = p.add_argument_group("image models")
+    images.add_argument("--samples", type=int, help="images per prompt (default 16)")
+    images.add_argument(
+        "--num-steps", dest="num_steps", type=int, help="ODE steps (default: the model's)"
+    )
+    images.add_argument("--guidance", type=float, help="CFG scale (default: the model's)")
     p.set_defaults(func=cmd_eval)
     return parser
 
