@@ -429,6 +429,7 @@ def test_quickstart_image_mode(tmp_path, capsys):
     for key, value in GRPO_TINY.items():
         if key not in ("steps", "eval_every"):
             sets += ["--set", f"grpo.{key}={json.dumps(value)}"]
+    sets += ["--set", "grpo.sampler.sde_window=[0,2]"]  # the quickstart's [0, 4] needs 5+ steps
     out = tmp_path / "qs"
     argv = [
         "quickstart",
@@ -443,8 +444,21 @@ def test_quickstart_image_mode(tmp_path, capsys):
     ]
     assert cli.main(argv + sets) == 0
     printed = capsys.readouterr().out
-    assert "before Flow-GRPO" in printed and "after Flow-GRPO" in printed
+    for row in ("SFT, guidance 4", "before Flow-GRPO, guidance 1", "after Flow-GRPO, guidance 1"):
+        assert f"  {row} " in printed
     summary = json.loads((out / "results.json").read_text())
     assert summary["sft"]["steps"] == 2 and summary["flow_grpo"]["steps"] == 1
-    assert summary["flow_grpo"]["accuracy_before"] == summary["sft"]["accuracy"]
+    sft_results = json.loads((out / "flow_sft" / "results.json").read_text())
+    assert summary["sft"]["attributes"] == sft_results["eval"]["attributes"]
+    # Flow-GRPO's "before" is the SFT model sampled without guidance (the quickstart's rollout
+    # sampler), recomputed here with the serving loop.
+    grpo = json.loads((out / "flow_grpo" / "results.json").read_text())
+    assert grpo["steps"] == 1 and summary["flow_grpo"]["guidance_scale"] == 1.0
+    unguided = evaluate_images(
+        load_flow_model_dir(out / "flow_sft" / "model").model,
+        GenEvalTask(),
+        FlowSamplerConfig(num_steps=4, guidance_scale=1.0),
+        samples_per_prompt=1,
+    )
+    assert summary["flow_grpo"]["accuracy_before"] == unguided.accuracy
     assert Path(summary["grids"]["after"]).read_bytes()[:8] == PNG
