@@ -120,13 +120,27 @@ def _load(model_dir: str, sampler_overrides: dict):
     return loaded, sampler
 
 
-def _check_no_token_flags(args, *names: str) -> None:
-    flags = {**_sampler_overrides(args), **{name: getattr(args, name) for name in names}}
+def _refuse_flags(args, flags: dict, kind: str) -> None:
+    """A ValueError naming the first given flag of ``flags`` (name → value): it applies to
+    ``kind`` models, and ``args.model`` is the other kind."""
     given = sorted(k for k, v in flags.items() if v is not None)
     if given:
+        other = "an image" if kind == "token" else "a token"
         raise ValueError(
-            f"--{given[0].replace('_', '-')}: applies to token models; {args.model} is an image model"
+            f"--{given[0].replace('_', '-')}: applies to {kind} models; {args.model} is {other} model"
         )
+
+
+def _add_image_sampler_flags(group) -> None:
+    group.add_argument(
+        "--num-steps", dest="num_steps", type=int, help="ODE steps (default: the model's)"
+    )
+    group.add_argument("--guidance", type=float, help="CFG scale (default: the model's)")
+
+
+def _check_no_token_flags(args, *names: str) -> None:
+    flags = {**_sampler_overrides(args), **{name: getattr(args, name) for name in names}}
+    _refuse_flags(args, flags, "token")
 
 
 def _serving_sampler(info: dict, args):
@@ -261,11 +275,7 @@ def cmd_eval(args) -> int:
     if is_flow_model_dir(args.model):
         return cmd_eval_images(args)
     image_flags = {"samples": args.samples, "num_steps": args.num_steps, "guidance": args.guidance}
-    given = sorted(k for k, v in image_flags.items() if v is not None)
-    if given:
-        raise ValueError(
-            f"--{given[0].replace('_', '-')}: applies to image models; {args.model} is a token model"
-        )
+    _refuse_flags(args, image_flags, "image")
     loaded, sampler = _load(args.model, _sampler_overrides(args))
     task_info = dict(loaded.info.get("task", {"name": "arithmetic"}))
     task = get_task(task_info.pop("name"), **task_info)
@@ -342,10 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", default="samples.png", help="the PNG grid (default: %(default)s)"
     )
     images.add_argument("--samples", type=int, default=1, help="images per prompt")
-    images.add_argument(
-        "--num-steps", dest="num_steps", type=int, help="ODE steps (default: the model's)"
-    )
-    images.add_argument("--guidance", type=float, help="CFG scale (default: the model's)")
+    _add_image_sampler_flags(images)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="verifier accuracy of a saved model on its task")
@@ -357,10 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampler_flags(p)
     images = p.add_argument_group("image models")
     images.add_argument("--samples", type=int, help="images per prompt (default 16)")
-    images.add_argument(
-        "--num-steps", dest="num_steps", type=int, help="ODE steps (default: the model's)"
-    )
-    images.add_argument("--guidance", type=float, help="CFG scale (default: the model's)")
+    _add_image_sampler_flags(images)
     p.set_defaults(func=cmd_eval)
     return parser
 
