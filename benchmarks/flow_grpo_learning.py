@@ -48,6 +48,8 @@ import sys
 import time
 from pathlib import Path
 
+from diffusion_rl.recipes.quickstart import QUICKSTART_IMAGE_GRPO
+
 RUN = """
 import json, sys, time, torch
 torch.set_num_threads(1)
@@ -71,13 +73,8 @@ def step(self, trace, advantages, **kwargs):
 recipe.FlowPolicyLearner.step = step
 """
 
-BENCHMARK_SETTINGS = {
-    "prompts_per_step": 8,
-    "group_size": 16,
-    "sampler": {"guidance_scale": 1.0, "share_group_noise": True, "sde_window": [0, 4]},
-    "ema_decay": 0.99,
-    "eval_samples_per_prompt": 16,
-}
+# The quickstart's image-mode settings (the list above), one definition for both.
+BENCHMARK_SETTINGS = {**QUICKSTART_IMAGE_GRPO, "eval_samples_per_prompt": 16}
 
 
 def run_recipe(module: str, cls: str, run: str, config: dict, seconds: float, patch: str = ""):
