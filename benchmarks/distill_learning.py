@@ -149,7 +149,7 @@ def main() -> None:
     task = {"name": "arithmetic", "num_digits": args.num_digits}
 
     from diffusion_rl.config import merge_dicts, parse_overrides
-    from diffusion_rl.models.io import load_model_dir
+    from diffusion_rl.models.io import load_model
 
     teacher = args.teacher_model
     if teacher is None:
@@ -173,8 +173,8 @@ def main() -> None:
             args.student_steps,
             args.prep_threads,
         )
-    teacher_params = load_model_dir(teacher).model.num_parameters()
-    student_params = load_model_dir(student).model.num_parameters()
+    teacher_params = load_model(teacher).model.num_parameters()
+    student_params = load_model(student).model.num_parameters()
 
     common = {
         "task": task,

@@ -4,7 +4,7 @@ One randomly initialised block-causal :class:`DiffusionTransformer` (the model o
 ``dlm_sampler.py``), one captured rollout (fixed schedule, ``stop_at_eos=False``, prompts
 left-padded), scored four ways, each followed by ``backward()`` of the weighted sum:
 
-* ``dense_canvas``: :class:`ReplayScorer` with ``use_cache=False``, the MATH.md §1.3
+* ``dense_canvas``: :class:`ReplayScorer` with ``use_cache=False``, the docs/math.md §1.3
   definition: one full-canvas forward per distinct commit step;
 * ``dense_cached``: :class:`ReplayScorer` default (block KV cache walk, one block forward per
   step, gradients through the cached prefix);

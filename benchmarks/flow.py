@@ -6,7 +6,8 @@ mini-GenEval prompts and ``--steps`` sampling steps with classifier-free guidanc
 * ``ode_images_per_s``: serving (``sample_flow`` mode ``ode``, no capture);
 * ``sde_capture_images_per_s``: rollout (mode ``sde`` with capture: every latent and step
   log-prob recorded); ``rollout_over_serving`` is the time ratio;
-* replay cost: the time of one :class:`FlowPolicyLearner` step (exact replay of every trained
+* replay cost: the time of one :class:`PolicyLearner` step with the :class:`FlowPolicyPlan`
+  (exact replay of every trained
   SDE step with gradient, backward, optimizer step; μ = 1) divided by the number of trained
   steps, against one sampler step (the ODE serving time / ``--steps``); with β = 0 and with
   β > 0 (one more forward per step, for the frozen reference);
@@ -39,13 +40,17 @@ import time
 
 import torch
 
+from diffusion_rl.advantages import group_advantages
+from diffusion_rl.guidance import guided_velocity
 from diffusion_rl.models.dit import FlowDiT, FlowDiTConfig
-from diffusion_rl.models.io import load_flow_model_dir
-from diffusion_rl.objectives.flow_grpo import FlowGRPOConfig, FlowGRPOLoss, flow_advantages
-from diffusion_rl.sampling.flow import FlowSamplerConfig, guided_velocity, sample_flow
+from diffusion_rl.models.io import load_model
+from diffusion_rl.objectives.flow_grpo import FlowGRPOConfig, FlowGRPOLoss
+from diffusion_rl.rollout import Rollout
+from diffusion_rl.sampling.flow import FlowSamplerConfig, sample_flow
 from diffusion_rl.tasks.geneval import GenEvalTask
 from diffusion_rl.train import OptimConfig, Trainer
-from diffusion_rl.train.flow_policy import FlowPolicyLearner
+from diffusion_rl.train.learner import PolicyLearner
+from diffusion_rl.train.plans import FlowPolicyPlan
 from diffusion_rl.train.roles import PolicyRoles
 
 MEMORY_METHOD = (
@@ -88,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_model(args) -> FlowDiT:
     if args.model:
-        return load_flow_model_dir(args.model).model.to(args.device)
+        return load_model(args.model).model.to(args.device)
     torch.manual_seed(args.seed)
     config = FlowDiTConfig(
         image_size=args.image_size, patch_size=args.patch, d_model=args.width, n_layers=args.layers
@@ -122,19 +127,20 @@ class Phases:
         self.sde = FlowSamplerConfig(**base, mode="sde")
         self.learners = {beta: self._learner(beta) for beta in (0.0, 0.004)}
 
-    def _learner(self, beta: float) -> FlowPolicyLearner:
+    def _learner(self, beta: float) -> PolicyLearner:
         def factory(actor, loss_fn):
             return Trainer(
                 actor, loss_fn, OptimConfig(lr=1e-6, grad_clip=1.0), device=self.args.device
             )
 
         roles = PolicyRoles(self.model, reference=beta > 0)
-        return FlowPolicyLearner(roles, FlowGRPOLoss(FlowGRPOConfig(beta=beta)), factory)
+        loss = FlowGRPOLoss(FlowGRPOConfig(beta=beta), reduction=self.sde.reduction)
+        return PolicyLearner(roles, FlowPolicyPlan(loss), factory)
 
     def serve(self, rows: slice = slice(None)):
         return sample_flow(self.model, self.prompts[rows], self.ode, seeds=self.seeds[rows])
 
-    def rollout(self, rows: slice = slice(None), learner: FlowPolicyLearner | None = None):
+    def rollout(self, rows: slice = slice(None), learner: PolicyLearner | None = None):
         learner = learner or self.learners[0.0]
         return sample_flow(
             learner.roles.rollout,
@@ -151,8 +157,20 @@ class Phases:
         learner = self.learners[beta]
         trace = trace if trace is not None else self.rollout(learner=learner)
         rewards = trace.latents[:, -1].float().mean((1, 2, 3))
-        advantages = flow_advantages(rewards, group_size=self.args.group_size)
-        return int(learner.step(trace, advantages)["flow_grpo/trained_steps"])
+        spec = learner.plan.objective.config.advantage_spec
+        advantages = group_advantages(rewards, self.args.group_size, spec)
+        trained = learner.plan.trained_steps(trace, learner.rollout_step)
+        # the final latents stand in for the images: the learner reads trace and advantages
+        rollout = Rollout(
+            trace,
+            trace.latents[:, -1],
+            list(trace.prompts),
+            rewards,
+            advantages,
+            self.args.group_size,
+        )
+        learner.step(rollout)
+        return len(trained)
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

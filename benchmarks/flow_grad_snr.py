@@ -29,19 +29,21 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
+    from diffusion_rl.advantages import group_advantages
     from diffusion_rl.config import FlowGRPORecipeConfig, build_config
-    from diffusion_rl.models.io import load_flow_model_dir
-    from diffusion_rl.objectives.flow_grpo import flow_advantages
-    from diffusion_rl.recipes.flow_grpo import build_image_rewards
+    from diffusion_rl.models.io import load_model
+    from diffusion_rl.rewards import CombinedReward, get_reward
     from diffusion_rl.rollout import rollout_seed
     from diffusion_rl.sampling.flow import sample_flow
     from diffusion_rl.scoring.flow import FlowReplayScorer
     from diffusion_rl.tasks.geneval import GenEvalTask
 
-    loaded = load_flow_model_dir(args.model)
+    loaded = load_model(args.model)
     model, task = loaded.model, GenEvalTask.from_info(loaded.info["task"])
     config = build_config(FlowGRPORecipeConfig, {"model": {"path": args.model}})
-    reward_fn = build_image_rewards(config)
+    reward_fn = CombinedReward(
+        [(get_reward(r.name, **r.options), r.weight) for r in config.rewards]
+    )  # the recipe's rewards
 
     def batch_gradient(sampler, batch: int) -> torch.Tensor:
         indices = range(batch * args.prompts, (batch + 1) * args.prompts)
@@ -56,9 +58,9 @@ def main() -> None:
             group_size=args.group_size,
         )
         rewards = reward_fn(sample.images.float(), examples).total
-        advantages = flow_advantages(rewards, group_size=args.group_size)
+        advantages = group_advantages(rewards, args.group_size, config.policy.advantage_spec)
         model.zero_grad()
-        scores = FlowReplayScorer.for_trace(model, sample.trace).score(sample.trace)
+        scores = FlowReplayScorer.for_trace(model, sample.trace).score_trace(sample.trace)
         (-(advantages[:, None] * scores.logprobs).mean()).backward()
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 

@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from diffusion_rl.recipes.quickstart import QUICKSTART_IMAGE_GRPO
+from diffusion_rl.quickstart import QUICKSTART_IMAGE_GRPO
 
 RUN = """
 import json, sys, time, torch
@@ -64,13 +64,13 @@ print(json.dumps(result))
 """
 # Flow-GRPO stops (through the recipe's normal end) once the CPU budget is spent.
 GRPO_PATCH = """
-real_step = recipe.FlowPolicyLearner.step
-def step(self, trace, advantages, **kwargs):
-    metrics = real_step(self, trace, advantages, **kwargs)
+real_step = recipe.PolicyLearner.step
+def step(self, rollout):
+    metrics = real_step(self, rollout)
     if time.process_time() > deadline:
-        config.steps = self.trainer.global_step // config.policy.num_iterations
+        config.steps = self.rollout_step
     return metrics
-recipe.FlowPolicyLearner.step = step
+recipe.PolicyLearner.step = step
 """
 
 # The quickstart's image-mode settings (the list above), one definition for both.
@@ -99,11 +99,11 @@ def accuracy(model_dir: str, settings: dict, split: str = "train", **sampler) ->
 
     from diffusion_rl.config import FlowGRPORecipeConfig, build_config
     from diffusion_rl.evaluation import evaluate_images
-    from diffusion_rl.models.io import load_flow_model_dir
+    from diffusion_rl.models.io import load_model
     from diffusion_rl.tasks.geneval import GenEvalTask
 
     torch.set_num_threads(1)
-    loaded = load_flow_model_dir(model_dir)
+    loaded = load_model(model_dir)
     config = build_config(FlowGRPORecipeConfig, {**settings, "model": {"path": model_dir}})
     result = evaluate_images(
         loaded.model,
@@ -167,9 +167,9 @@ def main() -> None:
     train_after = accuracy(grpo["model_dir"], settings)
     # Both models under the SFT model's own serving sampler (its recorded guidance): is the
     # trained model better than the SFT model served the way it was meant to be?
-    from diffusion_rl.models.io import load_flow_model_dir
+    from diffusion_rl.models.io import load_model
 
-    served = load_flow_model_dir(sft_model).info["sampler"]
+    served = load_model(sft_model).info["sampler"]
     guidance = {"guidance_scale": served["guidance_scale"]}
     sft_sampler = {
         "guidance_scale": served["guidance_scale"],

@@ -34,11 +34,11 @@ from diffusion_rl.config import (  # noqa: E402
     SFTRecipeConfig,
     build_config,
 )
+from diffusion_rl.quickstart import run_quickstart  # noqa: E402
 from diffusion_rl.recipes.distill import run_distill  # noqa: E402
 from diffusion_rl.recipes.flow_grpo import run_flow_grpo  # noqa: E402
 from diffusion_rl.recipes.flow_sft import run_flow_sft  # noqa: E402
 from diffusion_rl.recipes.grpo import run_grpo  # noqa: E402
-from diffusion_rl.recipes.quickstart import run_quickstart  # noqa: E402
 from diffusion_rl.recipes.sft import run_sft  # noqa: E402
 
 SFT = {
@@ -125,7 +125,9 @@ def main() -> None:
         grpo("grpo")
         grpo("grpo_mu2", policy={"num_iterations": 2})
         grpo("dapo_packed", policy={"algorithm": "dapo"}, scorer="packed")
-        grpo("drgrpo_coupled", policy={"algorithm": "drgrpo", "num_iterations": 2}, scorer="coupled")
+        grpo(
+            "drgrpo_coupled", policy={"algorithm": "drgrpo", "num_iterations": 2}, scorer="coupled"
+        )
         distill = {
             "steps": 4,
             "prompts_per_step": 3,

@@ -724,7 +724,8 @@ def test_loss_output_bad_aux_value(value, type_name):
     with pytest.raises(
         TypeError,
         match=re.escape(
-            f"LossOutput.aux_metrics['kl']: expected a WeightedMetric or a scalar, got {type_name}"
+            f"LossOutput.aux_metrics['kl']: expected a WeightedMetric, an Extreme or a scalar, "
+            f"got {type_name}"
         ),
     ):
         LossOutput(_metric(), {"ok": 1.0, "kl": value})

@@ -17,6 +17,7 @@ import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, WanPipeline  # noqa: E402
 
+from diffusion_rl.advantages import group_advantages  # noqa: E402
 from diffusion_rl.models.diffusers_adapters import (  # noqa: E402
     FluxAdapter,
     LoraSettings,
@@ -25,15 +26,13 @@ from diffusion_rl.models.diffusers_adapters import (  # noqa: E402
 )
 from diffusion_rl.models.diffusers_adapters.flux import image_ids, pack, unpack  # noqa: E402
 from diffusion_rl.models.protocol import VelocityModel  # noqa: E402
-from diffusion_rl.objectives.flow_grpo import (  # noqa: E402
-    FlowGRPOConfig,
-    FlowGRPOLoss,
-    flow_advantages,
-)
+from diffusion_rl.objectives.flow_grpo import FlowGRPOConfig, FlowGRPOLoss  # noqa: E402
+from diffusion_rl.rollout import Rollout  # noqa: E402
 from diffusion_rl.sampling.flow import FlowSamplerConfig, sample_flow  # noqa: E402
 from diffusion_rl.scoring.flow import FlowReplayScorer  # noqa: E402
 from diffusion_rl.train import OptimConfig, Trainer  # noqa: E402
-from diffusion_rl.train.flow_policy import FlowPolicyLearner  # noqa: E402
+from diffusion_rl.train.learner import PolicyLearner  # noqa: E402
+from diffusion_rl.train.plans import FlowPolicyPlan  # noqa: E402
 from diffusion_rl.train.roles import PolicyRoles  # noqa: E402
 
 FAMILIES = {"sd3": SD3Adapter, "flux": FluxAdapter, "wan": WanAdapter}
@@ -395,6 +394,14 @@ GUIDANCE = {"sd3": 3.0, "flux": 1.0, "wan": 3.0}
 GRPO_PROMPTS = ["a red cat", "a red cat", "two dogs", "two dogs"]
 
 
+def flow_learner(roles, config, trainer):
+    return PolicyLearner(roles, FlowPolicyPlan(FlowGRPOLoss(config)), trainer)
+
+
+def as_rollout(trace, images, rewards, advantages, group_size=2):
+    return Rollout(trace, images, list(trace.prompts), rewards, advantages, group_size)
+
+
 def test_rollout_replay_parity_and_one_flow_grpo_step(family):
     """Rollout = served sampling with capture (SDE, CFG, two forward groups); replay of every
     SDE step equals the behaviour log-probs bitwise; one Flow-GRPO step (β > 0: reference
@@ -405,7 +412,8 @@ def test_rollout_replay_parity_and_one_flow_grpo_step(family):
     def trainer(actor, loss_fn):
         return Trainer(actor, loss_fn, OptimConfig(lr=1e-3, grad_clip=None))
 
-    learner = FlowPolicyLearner(roles, FlowGRPOLoss(FlowGRPOConfig(beta=0.04)), trainer)
+    config = FlowGRPOConfig(beta=0.04)
+    learner = flow_learner(roles, config, trainer)
     sampler = FlowSamplerConfig(
         num_steps=4, mode="sde", guidance_scale=GUIDANCE[family], micro_batch_size=2
     )
@@ -417,8 +425,8 @@ def test_rollout_replay_parity_and_one_flow_grpo_step(family):
     assert trace.latents.shape == (4, 5, *adapter.latent_shape)
     assert (trace.uncond is None) == (GUIDANCE[family] == 1.0)
 
-    scores = FlowReplayScorer.for_trace(adapter, trace, stop_gradient=True).score(trace)
-    behaviour = trace.logprobs[:, trace.sde_step_indices()]
+    scores = FlowReplayScorer.for_trace(adapter, trace, stop_gradient=True).score_trace(trace)
+    behaviour = trace.behaviour_logprobs[:, trace.sde_step_indices()]
     assert scores.steps == [0, 1, 2] and bool(torch.isfinite(behaviour).all())
     assert float((scores.logprobs - behaviour).abs().max()) == 0.0  # bitwise, fp32
 
@@ -429,7 +437,8 @@ def test_rollout_replay_parity_and_one_flow_grpo_step(family):
     }
     trained = [p.detach().clone() for p in adapter.transformer.parameters()]
     rewards = sample.images.float().mean(dim=tuple(range(1, sample.images.dim())))
-    metrics = learner.step(trace, flow_advantages(rewards, group_size=2))
+    advantages = group_advantages(rewards, 2, config.advantage_spec)
+    metrics = learner.step(as_rollout(trace, sample.images.float(), rewards, advantages))
     assert metrics["flow_grpo/parity_max_abs@iter0"] == 0.0
     assert metrics["flow_grpo/ratio_min@iter0"] == 1.0 == metrics["flow_grpo/ratio_max@iter0"]
     assert metrics["flow_grpo/kl@iter0"] == 0.0  # actor == reference before the update
@@ -452,15 +461,16 @@ def test_lora_flow_grpo_step_with_the_lora_disabled_reference():
     def trainer(actor, loss_fn):
         return Trainer(actor, loss_fn, OptimConfig(lr=1e-2, grad_clip=None))
 
-    learner = FlowPolicyLearner(
-        roles, FlowGRPOLoss(FlowGRPOConfig(beta=0.04, num_iterations=2)), trainer
-    )
+    learner = flow_learner(roles, FlowGRPOConfig(beta=0.04, num_iterations=2), trainer)
     sampler = FlowSamplerConfig(num_steps=4, mode="sde", guidance_scale=3.0, micro_batch_size=2)
-    trace = sample_flow(
+    sample = sample_flow(
         roles.rollout, GRPO_PROMPTS, sampler, seeds=range(4), group_size=2, capture=True
-    ).trace
+    )
+    trace = sample.trace
     base = {n: p.detach().clone() for n, p in adapter.transformer.named_parameters()}
-    metrics = learner.step(trace, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    rollout = as_rollout(trace, sample.images.float(), torch.zeros(4), advantages)
+    metrics = learner.step(rollout)
     assert metrics["flow_grpo/parity_max_abs@iter0"] == 0.0
     assert metrics["flow_grpo/kl@iter0"] == 0.0
     assert metrics["flow_grpo/kl@iter1"] > 0.0  # the LoRA moved away from the base

@@ -20,20 +20,29 @@ from diffusion_rl.config import (
     load_config,
 )
 from diffusion_rl.contracts import DiffusionDistillationBatch, DiffusionTokenBatch
-from diffusion_rl.models import DiffusionTransformer, TransformerConfig
-from diffusion_rl.models.io import load_model_dir, save_model_dir
+from diffusion_rl.models import (
+    CharTokenizer,
+    DiffusionTransformer,
+    TransformerConfig,
+    load_model,
+    save_model,
+)
 from diffusion_rl.objectives.distill import DistillationLoss, DistillationLossConfig
-from diffusion_rl.recipes.distill import DistillationLearner, run_distill, sample_student
+from diffusion_rl.recipes.distill import run_distill
 from diffusion_rl.recipes.sft import run_sft
+from diffusion_rl.rewards import CombinedReward, get_reward
+from diffusion_rl.rollout import Rollout, TokenSource, collect_rollout
 from diffusion_rl.sampling import TokenSamplerConfig, sample_tokens
 from diffusion_rl.scoring import (
     ReplayScorer,
+    ReplayScores,
     TeacherScorer,
     VocabularyMismatchError,
     check_same_vocabulary,
 )
-from diffusion_rl.tasks import CharTokenizer
 from diffusion_rl.train import OptimConfig, Trainer
+from diffusion_rl.train.learner import PolicyLearner
+from diffusion_rl.train.plans import DistillationPlan
 from diffusion_rl.train.roles import PolicyRoles, StaleTraceError
 
 B, L, V = 3, 5, 7
@@ -54,6 +63,11 @@ def _log_softmax(z: list[float]) -> list[float]:
     top = max(z)
     lse = top + math.log(sum(math.exp(x - top) for x in z))
     return [x - lse for x in z]
+
+
+def student_scores(logits: torch.Tensor) -> ReplayScores:
+    """Student logits in the scores shape every on-policy objective takes."""
+    return ReplayScores(logprobs=None, entropy=None, logits=logits)
 
 
 def reference_loss(student, teacher, targets, weights, T, a_soft, a_hard):
@@ -105,7 +119,7 @@ def test_loss_equals_hand_computation(T, a_soft, a_hard):
     loss = DistillationLoss(
         DistillationLossConfig(temperature=T, soft_weight=a_soft, hard_weight=a_hard)
     )
-    out = loss(student, DiffusionDistillationBatch(batch, teacher))
+    out = loss(student_scores(student), DiffusionDistillationBatch(batch, teacher))
     total, soft, hard, agree = reference_loss(
         student, teacher, batch.target_ids, batch.loss_weights, T, a_soft, a_hard
     )
@@ -124,7 +138,7 @@ def test_soft_gradient_is_T_times_q_minus_p():
     student.requires_grad_(True)
     teacher.requires_grad_(True)
     loss = DistillationLoss(DistillationLossConfig(temperature=T, soft_weight=a_soft))
-    out = loss(student, DiffusionDistillationBatch(batch, teacher))
+    out = loss(student_scores(student), DiffusionDistillationBatch(batch, teacher))
     out.primary.value.backward()
     w = batch.loss_weights[..., None]
     expected = (
@@ -149,7 +163,7 @@ def test_teacher_model_receives_no_gradient():
     targets = torch.randint(3, 16, (2, 4))
     batch = DiffusionTokenBatch({"x": ids}, targets, torch.ones(2, 4))
     out = DistillationLoss(DistillationLossConfig(hard_weight=0.5))(
-        student_logits, DiffusionDistillationBatch(batch, teacher_logits)
+        student_scores(student_logits), DiffusionDistillationBatch(batch, teacher_logits)
     )
     out.primary.sum.backward()
     assert all(p.grad is None for p in teacher_model.parameters())
@@ -170,7 +184,7 @@ def test_inactive_slots_with_nan_teacher_logits_change_nothing():
 
     def run(s, t):
         s = s.clone().requires_grad_(True)
-        out = loss(s, DiffusionDistillationBatch(batch, t))
+        out = loss(student_scores(s), DiffusionDistillationBatch(batch, t))
         out.primary.sum.backward()
         return out, s.grad
 
@@ -209,7 +223,7 @@ def test_contract_validates_and_slices():
     with pytest.raises(ValueError, match="target_ids: active ids must be < V=2"):
         DiffusionDistillationBatch(batch, teacher[..., :2])
     with pytest.raises(ValueError, match="vocabulary size 8 differs from the teacher's 7"):
-        DistillationLoss()(torch.zeros(B, L, V + 1), pair)
+        DistillationLoss()(student_scores(torch.zeros(B, L, V + 1)), pair)
 
     parts = pair.split(2)
     assert [p.batch_size for p in parts] == [2, 1]
@@ -255,7 +269,7 @@ def test_teacher_with_the_students_weights_sees_the_students_states(attention):
     teacher = tiny_model(attention)  # a separate module with the same weights
     distill = TeacherScorer.for_trace(teacher, trace).distillation_batch(batch)
     assert torch.equal(distill.teacher_logits, live.logits.detach())  # bitwise
-    out = DistillationLoss()(live.logits, distill)
+    out = DistillationLoss()(live, distill)
     assert float(out.aux_metrics["distill/soft_loss"].value) == 0.0
     assert float(out.aux_metrics["distill/top1_agreement"].value) == 1.0
     # the logits are the ones the replay log-probs were read from
@@ -334,7 +348,7 @@ def test_a_hugging_face_model_can_be_the_teacher():
     assert_teacher_walk(teacher, trace)
     batch = TeacherScorer.for_trace(teacher, trace).distillation_batch(trace.prepare())
     live = ReplayScorer.for_trace(student, trace, return_logits=True).score(batch.student_batch)
-    out = DistillationLoss()(live.logits, batch)
+    out = DistillationLoss()(live, batch)
     out.primary.value.backward()
     assert float(out.primary.value.detach()) > 0.1
     assert all(p.grad is None for p in teacher.parameters())
@@ -355,26 +369,32 @@ def test_vocabulary_mismatch_is_refused():
 
 # --------------------------------------------------------------------------- the learner
 def make_learner(student, teacher, lr=3e-3):
-    roles = PolicyRoles(student, reference=False)
+    roles = PolicyRoles(student, reference=teacher)
 
     def factory(actor, loss_fn):
         return Trainer(actor, loss_fn, OptimConfig(lr=lr))
 
-    return roles, DistillationLearner(roles, teacher, DistillationLoss(), factory)
+    return roles, PolicyLearner(roles, DistillationPlan(DistillationLoss()), factory)
+
+
+def as_rollout(trace):
+    """A student trace as a rollout (distillation reads only the trace)."""
+    rows = len(trace)
+    return Rollout(trace, [""] * rows, [None] * rows, torch.zeros(rows), None, 1)
 
 
 def test_stale_rollouts_are_refused_by_weights_version():
     student, teacher = tiny_model(seed=0), tiny_model(seed=1)
     roles, learner = make_learner(student, teacher)
     with pytest.raises(StaleTraceError, match="v3, the learner is at v0"):
-        learner.step(student_trace(roles.rollout, weights_version=3))
+        learner.step(as_rollout(student_trace(roles.rollout, weights_version=3)))
     fresh = student_trace(roles.rollout, weights_version=roles.version)
     before = {k: v.clone() for k, v in student.state_dict().items()}
-    metrics = learner.step(fresh)
+    metrics = learner.step(as_rollout(fresh))
     assert metrics["weights_version"] == 1.0 and roles.version == 1
     assert any(not torch.equal(before[k], v) for k, v in student.state_dict().items())
     with pytest.raises(StaleTraceError, match="v0, the learner is at v1"):
-        learner.step(fresh)  # the same rollout again: sampled by weights that are gone
+        learner.step(as_rollout(fresh))  # the same rollout again: weights that are gone
     with pytest.raises(VocabularyMismatchError):
         make_learner(student, tiny_model(vocab=17))
 
@@ -391,11 +411,11 @@ def test_on_policy_steps_pull_the_student_to_the_teacher():
             live = ReplayScorer.for_trace(student, probe, return_logits=True).score(
                 batch.student_batch
             )
-        return float(DistillationLoss()(live.logits, batch).primary.value)
+        return float(DistillationLoss()(live, batch).primary.value)
 
     start = probe_kl()
     for _ in range(25):
-        learner.step(student_trace(roles.rollout, weights_version=roles.version))
+        learner.step(as_rollout(student_trace(roles.rollout, weights_version=roles.version)))
     end = probe_kl()
     assert start > 1.0 and end < 0.05 * start
 
@@ -448,12 +468,12 @@ def test_recipe_cli_report_and_exact_resume(tmp_path, monkeypatch, capsys):
         == 0
     )
     assert "student accuracy" in capsys.readouterr().out
-    report = json.loads((tmp_path / "straight" / "report.json").read_text())
+    report = json.loads((tmp_path / "straight" / "results.json").read_text())
     assert report["steps"] == 4 and report["weights_version"] == 4
     assert [h["step"] for h in report["history"]] == [0, 2, 4]
     assert report["student"]["parameters"] * 2 <= report["teacher"]["parameters"]
     assert 0.0 <= report["teacher"]["accuracy"] <= 1.0
-    png = tmp_path / "straight" / "report.png"
+    png = tmp_path / "straight" / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     records = [
         json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
@@ -470,10 +490,10 @@ def test_recipe_cli_report_and_exact_resume(tmp_path, monkeypatch, capsys):
 
     real_step = Trainer.train_step
 
-    def dying_step(self, micro_batches):
+    def dying_step(self, micro_batches, loss_fn=None):
         if self.global_step == 3:
             raise KeyboardInterrupt  # killed after the step-2 checkpoint
-        return real_step(self, micro_batches)
+        return real_step(self, micro_batches, loss_fn)
 
     monkeypatch.setattr(Trainer, "train_step", dying_step)
     with pytest.raises(KeyboardInterrupt):
@@ -481,15 +501,15 @@ def test_recipe_cli_report_and_exact_resume(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(Trainer, "train_step", real_step)
     resumed = run_distill(config("killed"), echo=lambda _: None)
     assert resumed["history"] == report["history"] and resumed["weights_version"] == 4
-    a = load_model_dir(tmp_path / "straight" / "model").model.state_dict()
-    b = load_model_dir(tmp_path / "killed" / "model").model.state_dict()
+    a = load_model(tmp_path / "straight" / "model").model.state_dict()
+    b = load_model(tmp_path / "killed" / "model").model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(Exception, match="objective.temperature"):
         run_distill(config("killed", objective={"temperature": 2.0}, steps=6), echo=lambda _: None)
 
     # a teacher with another tokenizer is refused by name
-    loaded = load_model_dir(teacher)
-    save_model_dir(tmp_path / "alien", loaded.model, CharTokenizer("0123456789+-*"), loaded.info)
+    loaded = load_model(teacher)
+    save_model(tmp_path / "alien", loaded.model, loaded.info, CharTokenizer("0123456789+-*"))
     with pytest.raises(ConfigError, match="teacher.path: .* uses tokenizer"):
         run_distill(
             config("alien_run", teacher={"path": str(tmp_path / "alien")}), echo=lambda _: None
@@ -502,13 +522,15 @@ def test_student_rollouts_are_fresh_and_seeded_by_position(tmp_path):
     task = get_task("arithmetic", num_digits=2)
     model = tiny_model(vocab=task.tokenizer.vocab_size)
     sampler = TokenSamplerConfig(generation_length=task.completion_length, temperature=1.0)
-    kwargs = dict(num_prompts=3, samples_per_prompt=2, sampler=sampler, seed=0)
-    a = sample_student(model, task, start_prompt=5, weights_version=7, **kwargs)
-    b = sample_student(model, task, start_prompt=5, weights_version=7, **kwargs)
-    assert a.trace.weights_version == 7 and len(a.trace) == 6
+    reward = CombinedReward([(get_reward("verifier", task=task), 1.0)])
+    kwargs = dict(num_prompts=3, group_size=2, seed=0, weights_version=7, start_prompt=5)
+    a, position = collect_rollout(model, TokenSource(task, sampler), reward, **kwargs)
+    b, _ = collect_rollout(model, TokenSource(task, sampler), reward, **kwargs)
+    assert a.trace.weights_version == 7 and len(a.trace) == 6 and position == 8
     assert torch.equal(a.trace.tokens, b.trace.tokens)
     assert [e.prompt for e in a.examples[::2]] == [task.example(i).prompt for i in (5, 6, 7)]
-    assert a.correct.shape == (6,)
+    assert a.rewards.shape == (6,) and a.advantages is None
+    assert a.stats["rollout/accuracy"] == float(task.rewards(a.outputs, a.examples).mean())
 
 
 def test_shipped_distill_config_matches_the_defaults():

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pydantic
 import pytest
 import torch
 
-from diffusion_rl.models.dit import FlowDiT, FlowDiTConfig
+from diffusion_rl.models.dit import DEFAULT_VOCABULARY, FlowDiT, FlowDiTConfig
 from diffusion_rl.models.protocol import VelocityModel
 from diffusion_rl.sampling.flow import FlowSamplerConfig, sample_flow
 from diffusion_rl.scoring.flow import FlowReplayScorer
@@ -147,6 +146,8 @@ def test_input_errors_name_the_field():
         FlowDiTConfig(image_size=18, patch_size=4)
     with pytest.raises(pydantic.ValidationError, match="vocabulary"):
         FlowDiTConfig(vocabulary=("red", "red"))
+    # The default vocabulary is the mini-GenEval words, in the task's order (the ids).
+    assert FlowDiTConfig().vocabulary == DEFAULT_VOCABULARY == VOCABULARY
     # A 0-dim sigma is broadcast to every row.
     assert torch.equal(
         model(latents, torch.tensor(0.3), cond), model(latents, torch.full((2,), 0.3), cond)
@@ -219,7 +220,6 @@ def test_flow_matching_training_learns_more_than_pixel_statistics():
 
     before = held_loss()
     assert before == pytest.approx(float((target_held**2).mean()))  # a fresh model predicts 0
-    start = time.perf_counter()
     for step in range(100):
         examples, images = task.train_batch(step, 32)
         x, sigma, target = noised(images)
@@ -232,7 +232,6 @@ def test_flow_matching_training_learns_more_than_pixel_statistics():
     after = held_loss()
     # Measured: fresh 1.99, per-pixel Gaussian 0.75, trained 0.51 (~7 s on one core).
     assert after < before / 3 and after < gaussian_loss - 0.1, (before, gaussian_loss, after)
-    assert time.perf_counter() - start < 30
 
 
 def test_sde_rollout_replays_bitwise():
@@ -246,8 +245,8 @@ def test_sde_rollout_replays_bitwise():
     steps = trace.sde_step_indices()
     assert steps == [0, 1, 2, 3, 4]
     with torch.no_grad():
-        replayed = FlowReplayScorer.for_trace(model, trace).score(trace)
-    assert torch.equal(replayed.logprobs, trace.logprobs[:, steps])
+        replayed = FlowReplayScorer.for_trace(model, trace).score_trace(trace)
+    assert torch.equal(replayed.logprobs, trace.behaviour_logprobs[:, steps])
     alone = sample_flow(model, PROMPTS[2:3], config, seeds=[2])
     assert (alone.latents - sample.latents[2:3]).abs().max() <= 2e-6  # measured 4.8e-7
     assert sample.images.min() >= 0 and sample.images.max() <= 1

@@ -9,12 +9,17 @@ import pytest
 import torch
 from flow_toy import TinyVelocity, one_thread  # noqa: F401 (fixture)
 
+from diffusion_rl.advantages import AdvantageSpec, group_advantages
+from diffusion_rl.contracts import FlowStepBatch
+from diffusion_rl.guidance import guided_velocity
 from diffusion_rl.kernels import KERNELS, KernelUnavailableError
-from diffusion_rl.objectives.flow_grpo import FlowGRPOConfig, FlowGRPOLoss, flow_advantages
-from diffusion_rl.sampling.flow import FlowSamplerConfig, guided_velocity, sample_flow, step_noise
-from diffusion_rl.scoring.flow import FlowReplayScorer
+from diffusion_rl.objectives.flow_grpo import FlowGRPOConfig, FlowGRPOLoss
+from diffusion_rl.rollout import Rollout
+from diffusion_rl.sampling.flow import FlowSamplerConfig, sample_flow, step_noise
+from diffusion_rl.scoring.flow import FlowReplayScorer, FlowStepScores
 from diffusion_rl.train import OptimConfig, Trainer
-from diffusion_rl.train.flow_policy import FlowPolicyLearner
+from diffusion_rl.train.learner import PolicyLearner
+from diffusion_rl.train.plans import FlowPolicyPlan
 from diffusion_rl.train.roles import PolicyRoles, StaleTraceError
 
 PROMPTS = ["1", "1", "1", "1", "6", "6", "6", "6"]
@@ -28,6 +33,24 @@ def rollout(model, version=0, **overrides):
     ).trace
 
 
+def as_rollout(trace, advantages, group_size=4):
+    """The learner's input: ``trace`` with per-row ``advantages`` (final latents stand in for
+    the images, zero rewards: the learner reads only the trace and the advantages)."""
+    rows = len(trace)
+    return Rollout(
+        trace,
+        trace.latents[:, -1].float(),
+        list(trace.prompts),
+        torch.zeros(rows),
+        torch.as_tensor(advantages, dtype=torch.float32),
+        group_size,
+    )
+
+
+# Flow-GRPO's advantages: per-group population std, eps 1e-4, clipped to ±5
+FLOW_SPEC = AdvantageSpec("group", ddof=0, eps=1e-4, clip=5.0)
+
+
 # ------------------------------------------------------------------------------ replay
 
 
@@ -38,12 +61,12 @@ def test_replay_equals_behaviour_logprobs_bitwise(variant, reduction):
     level = 0.3 if variant == "constant" else 0.7
     trace = rollout(model, variant=variant, noise_level=level, reduction=reduction)
     assert trace.forward_groups.tolist() == [0] * 4 + [1] * 4
-    scores = FlowReplayScorer.for_trace(model, trace, stop_gradient=True).score(
+    scores = FlowReplayScorer.for_trace(model, trace, stop_gradient=True).score_trace(
         trace, return_means=True
     )
     sde = trace.sde_step_indices()
     assert scores.steps == sde == [0, 1, 2, 3, 4]
-    behaviour = trace.logprobs[:, sde]
+    behaviour = trace.behaviour_logprobs[:, sde]
     assert float((scores.logprobs - behaviour).abs().max()) == 0.0  # bitwise
     assert bool(torch.isfinite(scores.logprobs).all())
     assert scores.means.shape == (8, 5, 3, 8, 8)
@@ -53,8 +76,8 @@ def test_replay_with_an_alternative_kernel_and_gradient():
     model = TinyVelocity()
     trace = rollout(model, kernels={"flow_sde_step": "flow_sde_step/inplace@1"})
     assert trace.kernel_ids["flow_sde_step"] == "flow_sde_step/inplace@1"
-    scores = FlowReplayScorer.for_trace(model, trace).score(trace, steps=[1, 3])
-    assert torch.equal(scores.logprobs, trace.logprobs[:, [1, 3]])
+    scores = FlowReplayScorer.for_trace(model, trace).score_trace(trace, steps=[1, 3])
+    assert torch.equal(scores.logprobs, trace.behaviour_logprobs[:, [1, 3]])
     scores.logprobs.sum().backward()
     assert (
         model.conv_mid.weight.grad is not None and float(model.conv_mid.weight.grad.abs().sum()) > 0
@@ -67,9 +90,9 @@ def test_replay_parity_under_bf16_autocast():
     model = TinyVelocity()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         trace = rollout(model, latent_dtype="bfloat16")
-        scores = FlowReplayScorer.for_trace(model, trace, stop_gradient=True).score(trace)
+        scores = FlowReplayScorer.for_trace(model, trace, stop_gradient=True).score_trace(trace)
     assert trace.latents.dtype == torch.bfloat16
-    assert float((scores.logprobs - trace.logprobs[:, :5]).abs().max()) == 0.0
+    assert float((scores.logprobs - trace.behaviour_logprobs[:, :5]).abs().max()) == 0.0
     # the sampler continued from the rounded sample, and its log-prob is the rounded one's;
     # storing the unrounded fp32 sample instead would have broken parity (PITFALLS.md)
     rows = slice(0, 4)  # the first forward group
@@ -94,8 +117,8 @@ def test_replay_parity_under_bf16_autocast():
     assert torch.equal(trace.latents[rows, 1], unrounded.to(torch.bfloat16))
     assert not torch.equal(trace.latents[rows, 1].float(), unrounded)
     rounded_logp = kernel(x, v, sigma, sigma_next, prev_sample=trace.latents[rows, 1], **options)[1]
-    assert torch.equal(rounded_logp, trace.logprobs[rows, 0])
-    assert float((unrounded_logp - trace.logprobs[rows, 0]).abs().max()) > 0
+    assert torch.equal(rounded_logp, trace.behaviour_logprobs[rows, 0])
+    assert float((unrounded_logp - trace.behaviour_logprobs[rows, 0]).abs().max()) > 0
 
 
 def test_unavailable_kernel_and_ode_trace_are_refused():
@@ -108,21 +131,48 @@ def test_unavailable_kernel_and_ode_trace_are_refused():
         FlowReplayScorer.for_trace(model, missing)
     learner = make_learner(model, FlowGRPOConfig(beta=0.0))
     with pytest.raises(KernelUnavailableError, match="flow_sde_step/triton-fused@3"):
-        learner.step(missing, torch.zeros(8))
+        learner.step(as_rollout(missing, torch.zeros(8)))
     serving = rollout(model, mode="ode")
     with pytest.raises(ValueError, match="no SDE steps"):
         FlowReplayScorer.for_trace(model, serving)
     scorer = FlowReplayScorer.for_trace(model, trace)
     with pytest.raises(ValueError, match="step 5 is not an SDE step"):
-        scorer.score(trace, steps=[5])
+        scorer.score_trace(trace, steps=[5])
     with pytest.raises(ValueError, match="distinct"):
-        scorer.score(trace, steps=[1, 1])
+        scorer.score_trace(trace, steps=[1, 1])
     other = rollout(model, guidance_scale=4.0)
     with pytest.raises(ValueError, match="guidance_scale"):
-        scorer.score(other)
+        scorer.score_trace(other)
 
 
 # ------------------------------------------------------------------------------ loss
+
+
+def flow_loss(loss, logp, *, advantages, old=None, mean=None, ref=None, std=None, **batch):
+    """``loss`` on one step batch of ``len(logp)`` rows: live scores ``logp`` / ``mean`` /
+    ``std``; the batch carries ``advantages``, ``old`` log-probs, ``ref`` means and any of
+    ``sigma``, ``sigma_next``, ``weights``, ``behaviour_logprobs`` (default: ``old``, or
+    ``logp`` when there is none)."""
+    rows = logp.shape[0]
+    zeros = torch.zeros(rows)
+    behaviour = logp.detach() if old is None else old
+    step = FlowStepBatch(
+        step=0,
+        rows=torch.arange(rows),
+        latents=torch.zeros(rows, 1),
+        next_latents=torch.zeros(rows, 1),
+        sigma=batch.pop("sigma", zeros),
+        sigma_next=batch.pop("sigma_next", zeros),
+        cond={"label": torch.zeros(rows, dtype=torch.long)},
+        uncond=None,
+        behaviour_logprobs=batch.pop("behaviour_logprobs", behaviour),
+        advantages=advantages,
+        weights=batch.pop("weights", None),
+        old_logprobs=old,
+        ref_means=ref,
+    )
+    assert not batch, batch
+    return loss(FlowStepScores(logp, mean, std), step)
 
 
 def test_loss_equals_hand_computation():
@@ -135,12 +185,13 @@ def test_loss_equals_hand_computation():
     ref = torch.tensor([[0.5, 1.0], [1.0, 2.0], [1.0, 1.0]])
     std = torch.tensor([0.5, 1.0, 2.0])
     sigma, sigma_next = torch.tensor([0.9, 0.5, 0.2]), torch.tensor([0.8, 0.25, 0.1])
-    out = FlowGRPOLoss(config)(
+    out = flow_loss(
+        FlowGRPOLoss(config),
         logp,
         advantages=adv,
-        old_log_prob=old,
+        old=old,
         mean=mean,
-        ref_mean=ref,
+        ref=ref,
         std=std,
         sigma=sigma,
         sigma_next=sigma_next,
@@ -158,20 +209,24 @@ def test_loss_equals_hand_computation():
     assert float(out.primary.denominator) == 3.5
     assert float(out.primary.value) == pytest.approx(expected_sum / 3.5, rel=1e-6)
     # row 0: ρ = e^0.1 > 1.2? no (1.105): unclipped; row 1: ρ = e^-0.2 = 0.819 inside
-    assert float(out.aux_metrics["flow_grpo/ratio_max"]) == pytest.approx(math.exp(0.1), rel=1e-6)
+    ratio_max = out.aux_metrics["flow_grpo/ratio_max"]
+    assert ratio_max.kind == "max"
+    assert float(ratio_max.value) == pytest.approx(math.exp(0.1), rel=1e-6)
+    # the parity diagnostic |ℓold − ℓβ|: 0 here, the batch's behaviour log-probs are ℓold
+    assert float(out.aux_metrics["flow_grpo/parity_max_abs"].value) == 0.0
 
     # Flow-GRPO's compat KL divides by 2·std² (no σ − σ_next); "sum" reduces over elements
-    compat = FlowGRPOLoss(FlowGRPOConfig(beta=1.0, kl="flow_grpo"))
+    compat = FlowGRPOLoss(FlowGRPOConfig(beta=1.0, kl="flow_grpo"), reduction="sum")
     zero = torch.zeros(3)
-    kl_out = compat(
+    kl_out = flow_loss(
+        compat,
         zero,
         advantages=zero,
         mean=mean,
-        ref_mean=ref,
+        ref=ref,
         std=std,
         sigma=sigma,
         sigma_next=sigma_next,
-        reduction="sum",
     )
     hand = [((0.25 + 0.0) / (2 * 0.25)), (1.0 / 2.0), (4.0 / 8.0)]
     assert float(kl_out.primary.value) == pytest.approx(sum(hand) / 3, rel=1e-6)
@@ -182,7 +237,7 @@ def test_clip_zeroes_the_gradient_on_the_clipped_side():
     old = torch.zeros(4)
     logp = torch.tensor([0.01, -0.01, -0.01, 0.01], requires_grad=True)
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    out = loss(logp, advantages=adv, old_log_prob=old)
+    out = flow_loss(loss, logp, advantages=adv, old=old)
     (out.primary.sum / out.primary.denominator).backward()
     rho = torch.exp(logp.detach())
     # A > 0 with ρ > 1 + ε and A < 0 with ρ < 1 − ε are clipped: no gradient at all;
@@ -196,41 +251,48 @@ def test_clip_zeroes_the_gradient_on_the_clipped_side():
 
 def test_advantages_per_group_and_batch_with_clip():
     rewards = torch.tensor([0.0, 1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 7.0])
-    group = flow_advantages(rewards, group_size=4)
+    assert FlowGRPOConfig().advantage_spec == FLOW_SPEC
+    group = group_advantages(rewards, 4, FLOW_SPEC)
     g0 = torch.tensor([0.0, 1.0, 2.0, 3.0])
     expected0 = (g0 - 1.5) / (g0.std(correction=0) + 1e-4)
     torch.testing.assert_close(group[:4], expected0)
     expected1 = (torch.tensor([5.0, 5.0, 5.0, 7.0]) - 5.5) / (math.sqrt(0.75) + 1e-4)
     torch.testing.assert_close(group[4:], expected1)
-    batch = flow_advantages(rewards, group_size=4, mode="batch")
+    batch = group_advantages(rewards, 4, dataclasses.replace(FLOW_SPEC, scale="batch"))
     means = torch.tensor([1.5] * 4 + [5.5] * 4)
     torch.testing.assert_close(batch, (rewards - means) / (rewards.std(correction=0) + 1e-4))
-    # arbitrary group ids give the same numbers
-    ids = torch.tensor([7, 7, 7, 7, 2, 2, 2, 2])
-    torch.testing.assert_close(flow_advantages(rewards, group_ids=ids), group)
+    # groups are consecutive runs of group_size rows, each normalised by its own statistics:
+    # the per-group formula by hand, and swapping the two groups swaps their advantages
+    for g in range(2):
+        r = rewards[4 * g : 4 * g + 4]
+        hand = (r - r.mean()) / (r.std(correction=0) + 1e-4)
+        torch.testing.assert_close(group[4 * g : 4 * g + 4], hand.clamp(-5.0, 5.0))
+    swapped = group_advantages(torch.cat([rewards[4:], rewards[:4]]), 4, FLOW_SPEC)
+    torch.testing.assert_close(swapped, torch.cat([group[4:], group[:4]]))
     # one success among 30: (1 − 1/30) / 0.1795 = 5.39 → clipped to 5
     lone = torch.zeros(30)
     lone[3] = 1.0
-    adv = flow_advantages(lone, group_size=30)
+    adv = group_advantages(lone, 30, FLOW_SPEC)
     assert float(adv[3]) == 5.0
     assert float(adv[0]) == pytest.approx(-(1 / 30) / (math.sqrt(29) / 30 + 1e-4), rel=1e-5)
-    assert float(flow_advantages(lone, group_size=30, clip=10.0)[3]) > 5.3
+    assert float(group_advantages(lone, 30, dataclasses.replace(FLOW_SPEC, clip=10.0))[3]) > 5.3
     # equal rewards: zero advantage, never NaN
-    assert torch.equal(flow_advantages(torch.ones(4), group_size=2), torch.zeros(4))
+    assert torch.equal(group_advantages(torch.ones(4), 2, FLOW_SPEC), torch.zeros(4))
     with pytest.raises(ValueError, match="group_size"):
-        flow_advantages(rewards, group_size=3)
+        group_advantages(rewards, 3, FLOW_SPEC)
 
 
 # ------------------------------------------------------------------------------ learner
 
 
-def make_learner(model, loss_config, *, precision="fp32", lr=1e-3, **options):
+def make_learner(model, loss_config, *, precision="fp32", lr=1e-3, seed=0, allow_off_policy=False):
     roles = PolicyRoles(model, reference=loss_config.uses_reference)
 
     def factory(actor, loss_fn):
         return Trainer(actor, loss_fn, OptimConfig(lr=lr, grad_clip=None), precision=precision)
 
-    return FlowPolicyLearner(roles, FlowGRPOLoss(loss_config), factory, **options)
+    plan = FlowPolicyPlan(FlowGRPOLoss(loss_config), seed=seed)
+    return PolicyLearner(roles, plan, factory, allow_off_policy=allow_off_policy)
 
 
 @pytest.mark.parametrize("iterations", [1, 3])
@@ -241,10 +303,11 @@ def test_ratio_is_exactly_one_before_any_update(iterations, beta):
     trace = rollout(learner.roles.rollout)
     rewards = trace.latents[:, -1].float().mean((1, 2, 3))
     before = [p.detach().clone() for p in model.parameters()]
-    metrics = learner.step(trace, flow_advantages(rewards, group_size=4))
+    assert learner.plan.trained_steps(trace, 0) == [0, 1, 2, 3, 4]
+    metrics = learner.step(as_rollout(trace, group_advantages(rewards, 4, FLOW_SPEC)))
     assert metrics["flow_grpo/ratio_min@iter0"] == 1.0 == metrics["flow_grpo/ratio_max@iter0"]
     assert metrics["flow_grpo/parity_max_abs@iter0"] == 0.0
-    assert metrics["flow_grpo/trained_steps"] == 5.0
+    assert metrics["learner/micro_batches"] == 2 * 5  # forward groups × trained steps
     assert math.isfinite(metrics["loss@iter0"]) and metrics["skipped_nonfinite"] == 0.0
     if beta > 0:
         assert metrics["flow_grpo/kl@iter0"] == 0.0  # actor == reference before the update
@@ -263,7 +326,7 @@ def test_bf16_learner_reproduces_the_bf16_rollout():
     learner = make_learner(model, FlowGRPOConfig(num_iterations=2, beta=0.0), precision="bf16")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         trace = rollout(learner.roles.rollout, latent_dtype="bfloat16")
-    metrics = learner.step(trace, torch.linspace(-1, 1, 8))
+    metrics = learner.step(as_rollout(trace, torch.linspace(-1, 1, 8)))
     assert metrics["flow_grpo/parity_max_abs@iter0"] == 0.0
     assert metrics["flow_grpo/ratio_min@iter0"] == 1.0 == metrics["flow_grpo/ratio_max@iter0"]
 
@@ -272,12 +335,12 @@ def test_stale_trace_is_refused_unless_allowed():
     model = TinyVelocity()
     learner = make_learner(model, FlowGRPOConfig(beta=0.0))
     trace = rollout(learner.roles.rollout, version=0)
-    learner.step(trace, torch.linspace(-1, 1, 8))  # now at version 1
+    learner.step(as_rollout(trace, torch.linspace(-1, 1, 8)))  # now at version 1
     with pytest.raises(StaleTraceError, match="v0"):
-        learner.step(trace, torch.linspace(-1, 1, 8))
+        learner.step(as_rollout(trace, torch.linspace(-1, 1, 8)))
     off = make_learner(TinyVelocity(), FlowGRPOConfig(beta=0.0), allow_off_policy=True)
     off.roles.sync_rollout()
-    assert off.step(trace, torch.zeros(8))["weights_version"] == 2.0
+    assert off.step(as_rollout(trace, torch.zeros(8)))["weights_version"] == 2.0
 
 
 def test_kl_update_moves_the_policy_toward_the_reference():
@@ -291,16 +354,16 @@ def test_kl_update_moves_the_policy_toward_the_reference():
     trace = rollout(learner.roles.rollout, version=1)
 
     def distance():
-        live = FlowReplayScorer.for_trace(model, trace, stop_gradient=True).score(
+        live = FlowReplayScorer.for_trace(model, trace, stop_gradient=True).score_trace(
             trace, return_means=True
         )
-        ref = FlowReplayScorer.for_trace(reference, trace, stop_gradient=True).score(
+        ref = FlowReplayScorer.for_trace(reference, trace, stop_gradient=True).score_trace(
             trace, return_means=True
         )
         return float((live.means - ref.means).square().mean())
 
     start = distance()
-    kls = [learner.step(trace, torch.zeros(8))["flow_grpo/kl"] for _ in range(6)]
+    kls = [learner.step(as_rollout(trace, torch.zeros(8)))["flow_grpo/kl"] for _ in range(6)]
     assert start > 0 and distance() < 0.5 * start  # measured: 2.9e-3 → 9.1e-4
     assert all(b < a for a, b in zip(kls, kls[1:]))  # each step lowers the KL it minimises
 
@@ -310,12 +373,13 @@ def test_timestep_fraction_picks_deterministic_steps_inside_the_window():
     learner = make_learner(model, FlowGRPOConfig(beta=0.0, timestep_fraction=0.5), seed=3)
     trace = rollout(learner.roles.rollout, num_steps=8, sde_window=(1, 6))
     assert trace.sde_step_indices() == [1, 2, 3, 4, 5]
-    picks = [learner.trained_steps(trace, r) for r in range(6)]
+    plan = learner.plan
+    picks = [plan.trained_steps(trace, r) for r in range(6)]
     assert all(len(p) == 2 and set(p) <= {1, 2, 3, 4, 5} and p == sorted(p) for p in picks)
-    assert picks == [learner.trained_steps(trace, r) for r in range(6)]  # deterministic
+    assert picks == [plan.trained_steps(trace, r) for r in range(6)]  # deterministic
     assert len({tuple(p) for p in picks}) > 1  # but varies across rollout steps
-    metrics = learner.step(trace, torch.linspace(-1, 1, 8))
-    assert metrics["flow_grpo/trained_steps"] == 2.0
+    metrics = learner.step(as_rollout(trace, torch.linspace(-1, 1, 8)))
+    assert metrics["learner/micro_batches"] == 2 * 2  # forward groups × trained steps
 
 
 def test_an_update_raises_the_logprob_of_positive_advantages():
@@ -325,10 +389,10 @@ def test_an_update_raises_the_logprob_of_positive_advantages():
 
     def logprobs():
         scorer = FlowReplayScorer.for_trace(model, trace, stop_gradient=True)
-        return scorer.score(trace).logprobs.sum(1)  # [B]: summed over the SDE steps
+        return scorer.score_trace(trace).logprobs.sum(1)  # [B]: summed over the SDE steps
 
     advantages = torch.tensor([1.0, -1.0] * 4)
     before = logprobs()
-    learner.step(trace, advantages)
+    learner.step(as_rollout(trace, advantages))
     change = logprobs() - before
     assert bool((change[advantages > 0] > 0).all()) and bool((change[advantages < 0] < 0).all())

@@ -20,8 +20,8 @@ from diffusion_rl.config import (
     load_config,
 )
 from diffusion_rl.evaluation import evaluate_images
+from diffusion_rl.models import load_model
 from diffusion_rl.models.dit import FlowDiT
-from diffusion_rl.models.io import is_flow_model_dir, load_flow_model_dir
 from diffusion_rl.recipes.flow_grpo import run_flow_grpo
 from diffusion_rl.recipes.flow_sft import run_flow_sft
 from diffusion_rl.rewards import GenEvalReward
@@ -189,8 +189,8 @@ def test_flow_sft_writes_model_grids_metrics_and_evaluates_exactly(sft_run):
     ]:
         assert png.read_bytes()[:8] == PNG and png.stat().st_size > 1000
     assert result["grids"][-1].endswith("step_000004.png")
-    assert is_flow_model_dir(out / "model")
-    saved = load_flow_model_dir(out / "model")
+    saved = load_model(out / "model")
+    assert saved.kind == "flow" and saved.tokenizer is None
     assert isinstance(saved.model, FlowDiT)
     assert saved.info["task"] == GenEvalTask().info() and saved.info["trained_steps"] == 4
     assert saved.info["sampler"]["mode"] == "ode" and saved.info["sampler"]["num_steps"] == 4
@@ -221,10 +221,10 @@ def test_flow_sft_kill_and_resume_is_bitwise(tmp_path, sft_run, monkeypatch):
     root, straight = sft_run
     real_step = Trainer.train_step
 
-    def dying_step(self, micro_batches):
+    def dying_step(self, micro_batches, loss_fn=None):
         if self.global_step == 3:
             raise KeyboardInterrupt  # killed after the step-2 checkpoint
-        return real_step(self, micro_batches)
+        return real_step(self, micro_batches, loss_fn)
 
     monkeypatch.setattr(Trainer, "train_step", dying_step)
     with pytest.raises(KeyboardInterrupt):
@@ -232,8 +232,8 @@ def test_flow_sft_kill_and_resume_is_bitwise(tmp_path, sft_run, monkeypatch):
     monkeypatch.setattr(Trainer, "train_step", real_step)
     resumed = run_flow_sft(sft_config(tmp_path, "killed"), **QUIET)
     assert resumed["history"] == straight["history"]  # the history survives the kill
-    a = load_flow_model_dir(root / "sft" / "model").model.state_dict()
-    b = load_flow_model_dir(tmp_path / "killed" / "model").model.state_dict()
+    a = load_model(root / "sft" / "model").model.state_dict()
+    b = load_model(tmp_path / "killed" / "model").model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(Exception, match="objective.cond_dropout"):
         run_flow_sft(
@@ -264,21 +264,22 @@ def test_flow_grpo_from_the_sft_model(tmp_path, sft_run):
     first = records[0]
     assert first["flow_grpo/ratio_min@iter0"] == 1.0 == first["flow_grpo/ratio_max@iter0"]
     assert first["flow_grpo/parity_max_abs@iter0"] == 0.0
-    assert first["flow_grpo/trained_steps"] == 3.0  # 4 steps, the last one ODE
+    # 3 trained steps (of 4, the last one ODE) x 2 sampler forward groups of 4 rows
+    assert first["learner/micro_batches"] == 6.0
 
     # The first rollout, recomputed: the SFT model, SDE sampling, the recipe's rollout seeds.
     task = GenEvalTask()
     examples = [task.example(i, "train") for i in range(2) for _ in range(4)]
     seeds = [rollout_seed(0, i, g) for i in range(2) for g in range(4)]
     sampler = grpo_config(tmp_path, model_dir).sampler
-    model = load_flow_model_dir(model_dir).model
+    model = load_model(model_dir).model
     images = sample_flow(model, [e.prompt for e in examples], sampler, seeds=seeds).images
     rewards = GenEvalReward()(images, examples)
     assert first["rollout/reward_mean"] == pytest.approx(float(rewards.mean()), abs=1e-6)
     accuracy = sum(r["overall"] for r in task.verify(images, examples)) / 8
     assert first["rollout/accuracy"] == accuracy
 
-    saved = load_flow_model_dir(out / "model")
+    saved = load_model(out / "model")
     assert saved.info["trained_steps"] == 2 and saved.info["sampler"]["mode"] == "ode"
     moved = sum(
         float((p - q).detach().abs().sum())
@@ -294,7 +295,7 @@ def test_flow_grpo_ema_is_evaluated_and_saved(tmp_path, sft_run):
     result = run_flow_grpo(config, **QUIET)
     checkpoints = tmp_path / "grpo" / "checkpoints"
     live = [load_file(checkpoints / f"step_{n:08d}" / "model.safetensors") for n in (1, 2)]
-    saved = load_flow_model_dir(tmp_path / "grpo" / "model")
+    saved = load_model(tmp_path / "grpo" / "model")
     assert saved.info["ema_decay"] == 0.25
     ema = saved.model.state_dict()
     # the average starts at the first update's weights, then ema ← 0.25 ema + 0.75 live
@@ -324,10 +325,10 @@ def test_flow_grpo_resume_is_bitwise_and_checks_metadata(tmp_path, sft_run, monk
     straight = run_flow_grpo(grpo_config(tmp_path, model_dir, "straight", **options), **QUIET)
     real_step = Trainer.train_step
 
-    def dying_step(self, micro_batches):
+    def dying_step(self, micro_batches, loss_fn=None):
         if self.global_step == 4:  # the first inner iteration of RL step 3
             raise KeyboardInterrupt
-        return real_step(self, micro_batches)
+        return real_step(self, micro_batches, loss_fn)
 
     monkeypatch.setattr(Trainer, "train_step", dying_step)
     with pytest.raises(KeyboardInterrupt):
@@ -336,8 +337,8 @@ def test_flow_grpo_resume_is_bitwise_and_checks_metadata(tmp_path, sft_run, monk
     resumed = run_flow_grpo(grpo_config(tmp_path, model_dir, "killed", **options), **QUIET)
     assert resumed["weights_version"] == straight["weights_version"] == 3
     assert resumed["history"] == straight["history"]
-    a = load_flow_model_dir(tmp_path / "straight" / "model").model.state_dict()
-    b = load_flow_model_dir(tmp_path / "killed" / "model").model.state_dict()
+    a = load_model(tmp_path / "straight" / "model").model.state_dict()
+    b = load_model(tmp_path / "killed" / "model").model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     changed = {**options, "policy": {"num_iterations": 2, "beta": 0.01, "clip_range": 0.2}}
     with pytest.raises(Exception, match="objective.clip_range"):
@@ -455,7 +456,7 @@ def test_quickstart_image_mode(tmp_path, capsys):
     grpo = json.loads((out / "flow_grpo" / "results.json").read_text())
     assert grpo["steps"] == 1 and summary["flow_grpo"]["guidance_scale"] == 1.0
     unguided = evaluate_images(
-        load_flow_model_dir(out / "flow_sft" / "model").model,
+        load_model(out / "flow_sft" / "model").model,
         GenEvalTask(),
         FlowSamplerConfig(num_steps=4, guidance_scale=1.0),
         samples_per_prompt=1,

@@ -6,14 +6,9 @@ import torch
 from flow_toy import TinyVelocity, one_thread  # noqa: F401 (fixture)
 from pydantic import ValidationError
 
+from diffusion_rl.guidance import guided_velocity
 from diffusion_rl.kernels import KERNELS, KernelUnavailableError
-from diffusion_rl.sampling.flow import (
-    FlowSamplerConfig,
-    flow_sigmas,
-    guided_velocity,
-    sample_flow,
-    step_noise,
-)
+from diffusion_rl.sampling.flow import FlowSamplerConfig, flow_sigmas, sample_flow, step_noise
 from diffusion_rl.trace import FlowTrace
 
 PROMPTS = ["3", "3", "7", "7"]
@@ -33,6 +28,65 @@ def test_shifted_schedule():
     assert float(sigmas[1]) == pytest.approx(2.7 / 2.8)
     assert bool((sigmas[1:] < sigmas[:-1]).all())
     torch.testing.assert_close(flow_sigmas(4, 1.0), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+
+
+@pytest.mark.parametrize(("steps", "shift"), [(1, 3.0), (4, 1.0), (10, 3.0), (28, 1.7)])
+def test_flux_grid_is_its_closed_form(steps, shift):
+    """The default: linspace(1, 1/N, N) shifted, then a final 0 (the FLUX-pipeline form)."""
+    sigma = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)
+    expected = torch.cat([shift * sigma / (1 + (shift - 1) * sigma), torch.zeros(1)]).float()
+    torch.testing.assert_close(flow_sigmas(steps, shift), expected, rtol=0, atol=1e-7)
+    assert torch.equal(flow_sigmas(steps, shift, "flux"), flow_sigmas(steps, shift))
+
+
+@pytest.mark.parametrize(("steps", "shift"), [(1, 3.0), (4, 1.0), (10, 3.0), (28, 3.0), (40, 1.7)])
+def test_sd3_grid_is_diffusers_default_schedule(steps, shift):
+    diffusers = pytest.importorskip("diffusers")
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=shift)  # T = 1000
+    scheduler.set_timesteps(steps)  # as StableDiffusion3Pipeline calls it
+    sigmas = flow_sigmas(steps, shift, "sd3")
+    assert sigmas.dtype == torch.float32 and sigmas.shape == (steps + 1,)
+    assert torch.equal(sigmas, scheduler.sigmas.cpu())
+    assert float(sigmas[0]) == 1.0 and float(sigmas[-1]) == 0.0
+
+
+def test_sd3_schedule_is_recorded_and_replayed_from_the_trace_sigmas():
+    model = TinyVelocity()
+    cfg = config(sigma_schedule="sd3")
+    trace = sample_flow(model, PROMPTS, cfg, seeds=range(4), capture=True).trace
+    assert trace.sampler["sigma_schedule"] == "sd3"
+    assert torch.equal(trace.sigmas, flow_sigmas(6, 3.0, "sd3"))
+    assert not torch.equal(trace.sigmas, flow_sigmas(6, 3.0))
+    # replay reads the trace's sigmas: each SDE step's log-prob, recomputed from them, is exact
+    sde = KERNELS.get(trace.kernel_ids["flow_sde_step"]).fn
+    options = dict(noise_level=0.7, variant="flow_grpo", reduction="mean")
+    with torch.no_grad():
+        for k in trace.sde_step_indices():
+            sigma, sigma_next = trace.sigmas[k].repeat(4), trace.sigmas[k + 1].repeat(4)
+            v = guided_velocity(model, trace.latents[:, k], sigma, trace.cond, trace.uncond, 3.0)
+            prev = trace.latents[:, k + 1]
+            logprob = sde(trace.latents[:, k], v, sigma, sigma_next, prev_sample=prev, **options)[1]
+            assert torch.equal(logprob, trace.behaviour_logprobs[:, k])
+
+
+def test_on_step_reports_progress_without_changing_samples():
+    model = TinyVelocity()
+    cfg = config(micro_batch_size=3)  # two forward groups of 6 steps
+    done = []
+    plain = sample_flow(model, PROMPTS, cfg, seeds=range(4), capture=True).trace
+    traced = sample_flow(
+        model, PROMPTS, cfg, seeds=range(4), capture=True, on_step=done.append
+    ).trace
+    assert done == list(range(1, 13))
+    assert torch.equal(plain.latents, traced.latents)
+    assert torch.equal(plain.behaviour_logprobs, traced.behaviour_logprobs)
+
+
+def test_legacy_progress_key_is_ignored():
+    """Sampler settings saved before ``progress`` was dropped still load."""
+    legacy = {**FlowSamplerConfig().model_dump(), "progress": False}
+    del legacy["sigma_schedule"]
+    assert FlowSamplerConfig(**legacy) == FlowSamplerConfig()
 
 
 def test_batched_cfg_equals_two_forwards_and_guidance_one_is_plain():
@@ -60,7 +114,7 @@ def test_ode_sampler_is_the_euler_loop():
     cfg = config(mode="ode")
     out = sample_flow(model, PROMPTS, cfg, seeds=[5, 6, 7, 8], capture=True)
     trace = out.trace
-    assert not bool(trace.sde_steps.any()) and bool((trace.logprobs == 0).all())
+    assert not bool(trace.sde_steps.any()) and bool((trace.behaviour_logprobs == 0).all())
     assert trace.kernel_ids == {"flow_ode_step": "flow_ode_step/reference@1"}
     x = step_noise([5, 6, 7, 8], -1, (3, 8, 8), "cpu")
     sigmas = flow_sigmas(6, 3.0).double()
@@ -81,8 +135,8 @@ def test_sde_window_marks_trainable_steps_and_outside_is_ode():
         model, PROMPTS, config(sde_window=(1, 4)), seeds=range(4), capture=True
     ).trace
     assert trace.sde_steps.tolist() == [False, True, True, True, False, False]
-    assert bool((trace.logprobs[:, [1, 2, 3]] != 0).all())
-    assert bool((trace.logprobs[:, [0, 4, 5]] == 0).all())
+    assert bool((trace.behaviour_logprobs[:, [1, 2, 3]] != 0).all())
+    assert bool((trace.behaviour_logprobs[:, [0, 4, 5]] == 0).all())
     assert set(trace.kernel_ids) == {"flow_ode_step", "flow_sde_step"}
     # ODE steps: the stored next latent is exactly the ODE step of the stored latent
     with torch.no_grad():
@@ -105,7 +159,9 @@ def test_rows_are_independent_of_their_batch_mates():
         alone = sample_flow(model, [PROMPTS[row]], cfg, seeds=[seed], capture=True).trace
         assert torch.equal(alone.latents[0, 0], batch.latents[row, 0])  # noise: bitwise
         torch.testing.assert_close(alone.latents[0], batch.latents[row], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(alone.logprobs[0], batch.logprobs[row], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            alone.behaviour_logprobs[0], batch.behaviour_logprobs[row], rtol=1e-5, atol=1e-5
+        )
     # other seeds, other samples
     other = sample_flow(model, PROMPTS, cfg, seeds=[21, 22, 23, 24], capture=True).trace
     assert float((other.latents[:, -1] - batch.latents[:, -1]).abs().mean()) > 0.1
@@ -173,7 +229,9 @@ def test_preferred_kernels_are_used_and_stamped():
             capture=True,
         ).trace
         assert alt.kernel_ids == prefer
-        assert torch.equal(alt.latents, ref.latents) and torch.equal(alt.logprobs, ref.logprobs)
+        assert torch.equal(alt.latents, ref.latents) and torch.equal(
+            alt.behaviour_logprobs, ref.behaviour_logprobs
+        )
         assert bool(torch.isfinite(ref.latents).all())
 
 
@@ -182,7 +240,7 @@ def test_trace_rows_and_concat_round_trip():
     trace = sample_flow(model, PROMPTS, config(), seeds=range(4), capture=True).trace
     a, b = trace.rows(slice(0, 2)), trace.rows(torch.tensor([2, 3]))
     joined = FlowTrace.concat([a, b])
-    for name in ("latents", "logprobs", "seeds"):
+    for name in ("latents", "behaviour_logprobs", "seeds"):
         assert torch.equal(getattr(joined, name), getattr(trace, name))
     assert torch.equal(joined.cond["label"], trace.cond["label"])
     assert joined.forward_groups.tolist() == [0, 0, 1, 1]  # separate sampler batches stay apart

@@ -12,16 +12,17 @@ import math
 import pytest
 import torch
 
-from diffusion_rl.contracts import DiffusionTokenBatch, WeightedMetric
+from diffusion_rl.advantages import AdvantageSpec, group_advantages, overlong_penalty
+from diffusion_rl.contracts import DiffusionTokenBatch, Extreme, WeightedMetric
 from diffusion_rl.objectives.grpo import (
     ALGORITHM_DEFAULTS,
     PolicyLoss,
     PolicyLossConfig,
     aggregate,
-    group_advantages,
     kl_per_action,
-    overlong_penalty,
 )
+from diffusion_rl.scoring import ReplayScores
+from diffusion_rl.train.metrics import reduce_metrics
 
 REL = 1e-6
 
@@ -234,6 +235,13 @@ def hand_loss(
     return total, denom, value, grads
 
 
+def extreme(metric, kind: str = "max") -> float:
+    """The value of an :class:`Extreme` aux metric, checked to reduce by ``kind``."""
+    assert isinstance(metric, Extreme), type(metric).__name__
+    assert metric.kind == kind, metric.kind
+    return float(metric.value)
+
+
 def assert_close_grid(actual: torch.Tensor, expected, rel=REL, abs_=1e-12) -> None:
     got = actual.tolist()
     for b, (grow, erow) in enumerate(zip(got, expected)):
@@ -259,7 +267,7 @@ def test_primary_matches_hand_computation(algorithm, aggregation, kl):
         kl_estimator=estimator,
     )
     logprobs = live_tensor()
-    out = PolicyLoss(config)(logprobs, make_batch(with_ref=beta != "none"))
+    out = PolicyLoss(config)(ReplayScores(logprobs, None), make_batch(with_ref=beta != "none"))
     S, d, value, grads = hand_loss(
         clip_high=CLIP_HIGH[algorithm],
         beta=beta,
@@ -288,7 +296,7 @@ def test_denominators_by_aggregation():
     }
     for mode, d in expected.items():
         config = PolicyLossConfig(algorithm="grpo", num_iterations=2, aggregation=mode, beta="none")
-        out = PolicyLoss(config)(live_tensor(), make_batch(with_ref=False))
+        out = PolicyLoss(config)(ReplayScores(live_tensor(), None), make_batch(with_ref=False))
         assert out.primary.denominator.item() == d, mode
 
 
@@ -296,9 +304,11 @@ def test_token_scale_defaults_to_length_and_explicit_n_wins():
     base = dict(
         algorithm="drgrpo", num_iterations=2, aggregation="sequence_mean_token_scale", beta="none"
     )
-    default = PolicyLoss(PolicyLossConfig(**base))(live_tensor(), make_batch(with_ref=False))
+    default = PolicyLoss(PolicyLossConfig(**base))(
+        ReplayScores(live_tensor(), None), make_batch(with_ref=False)
+    )
     explicit = PolicyLoss(PolicyLossConfig(**base, token_scale=7))(
-        live_tensor(), make_batch(with_ref=False)
+        ReplayScores(live_tensor(), None), make_batch(with_ref=False)
     )
     # S_default * L == S_7 * 7 (both equal the plain weighted sum)
     assert default.primary.sum.item() * 5 == pytest.approx(explicit.primary.sum.item() * 7, rel=REL)
@@ -314,8 +324,11 @@ def test_micro_batches_reduce_to_the_global_value(mode, token_scale):
     )
     loss = PolicyLoss(config)
     logprobs = live_tensor()
-    whole = loss(logprobs, make_batch())
-    parts = [loss(logprobs[s], make_batch()[s]) for s in (slice(0, 2), slice(2, 3), slice(3, 4))]
+    whole = loss(ReplayScores(logprobs, None), make_batch())
+    parts = [
+        loss(ReplayScores(logprobs[s], None), make_batch()[s])
+        for s in (slice(0, 2), slice(2, 3), slice(3, 4))
+    ]
     S = sum(p.primary.sum for p in parts)
     d = sum(p.primary.denominator.item() for p in parts)
     assert d == pytest.approx(whole.primary.denominator.item(), rel=REL)
@@ -323,6 +336,18 @@ def test_micro_batches_reduce_to_the_global_value(mode, token_scale):
     (g_parts,) = torch.autograd.grad(S / d, logprobs)
     (g_whole,) = torch.autograd.grad(whole.primary.value, logprobs)
     assert torch.allclose(g_parts, g_whole, rtol=1e-9, atol=1e-15)
+    # the extremes reduce to the true extreme over micro-batches (the zero-weight part
+    # carries the neutral 1.0 / 0.0), which is the whole batch's, by hand: e^1.0, e^-0.5, 0.05
+    active = [(b, i) for b in range(4) for i in range(5) if W[b][i] != 0]
+    hand = {
+        ("policy/ratio_max", "max"): max(math.exp(DELTA[b][i]) for b, i in active),
+        ("policy/ratio_min", "min"): min(math.exp(DELTA[b][i]) for b, i in active),
+        ("policy/parity_max_abs", "max"): max(abs(OLD[b][i] - BEHAVIOUR[b][i]) for b, i in active),
+    }
+    reduced = reduce_metrics([p.aux_metrics for p in parts])
+    for (key, kind), expected in hand.items():
+        assert reduced[key] == extreme(whole.aux_metrics[key], kind), key
+        assert reduced[key] == pytest.approx(expected, rel=REL), key
 
 
 def test_all_zero_weights_give_zero_not_nan():
@@ -332,7 +357,7 @@ def test_all_zero_weights_give_zero_not_nan():
             algorithm="grpo", num_iterations=2, aggregation=mode, token_scale=token_scale
         )
         logprobs = live_tensor()
-        out = PolicyLoss(config)(logprobs, make_batch(weights=weights))
+        out = PolicyLoss(config)(ReplayScores(logprobs, None), make_batch(weights=weights))
         assert out.primary.value.item() == 0.0, mode
         (grad,) = torch.autograd.grad(out.primary.value, logprobs)
         assert bool((grad == 0).all()), mode
@@ -352,7 +377,7 @@ def test_dual_clip_on_the_example(algorithm, mode, token_scale):
         beta="none",
     )
     logprobs = live_tensor()
-    out = PolicyLoss(config)(logprobs, make_batch(with_ref=False))
+    out = PolicyLoss(config)(ReplayScores(logprobs, None), make_batch(with_ref=False))
     S, d, value, grads = hand_loss(
         clip_high=CLIP_HIGH[algorithm],
         beta="none",
@@ -385,7 +410,7 @@ def single_slot(adv: float, delta: float, **config_kwargs):
         **config_kwargs,
     )
     batch = make_batch(adv=[adv], weights=[[1.0]], old=old, behaviour=old, ref=old, with_ref=False)
-    out = PolicyLoss(config)(live, batch)
+    out = PolicyLoss(config)(ReplayScores(live, None), batch)
     (grad,) = torch.autograd.grad(out.primary.value, live)
     return out, grad.item()
 
@@ -431,7 +456,7 @@ def test_log_ratio_clamped_at_plus_minus_20():
         algorithm="grpo", num_iterations=2, aggregation="token_mean", beta="none"
     )
     batch = make_batch(adv=adv, weights=weights, old=old, behaviour=old, ref=old, with_ref=False)
-    out = PolicyLoss(config)(live, batch)
+    out = PolicyLoss(config)(ReplayScores(live, None), batch)
     e20, e19 = math.exp(20.0), math.exp(19.0)
     # row 0 (A = -1): ρ = e^20 unclipped, ρ = e^-20 clipped to 0.8, e^19 unclipped
     # row 1 (A = +1): clipped to -1.2, -e^-20 unclipped, clipped to -1.2
@@ -439,8 +464,10 @@ def test_log_ratio_clamped_at_plus_minus_20():
     assert math.isfinite(out.primary.sum.item())
     assert out.primary.sum.item() == pytest.approx(S, rel=REL)
     assert out.primary.value.item() == pytest.approx(S / 5.0, rel=REL)
-    assert out.aux_metrics["policy/ratio_max"].item() == pytest.approx(e20, rel=REL)
-    assert out.aux_metrics["policy/ratio_min"].item() == pytest.approx(math.exp(-20.0), rel=REL)
+    assert extreme(out.aux_metrics["policy/ratio_max"]) == pytest.approx(e20, rel=REL)
+    assert extreme(out.aux_metrics["policy/ratio_min"], "min") == pytest.approx(
+        math.exp(-20.0), rel=REL
+    )
     (grad,) = torch.autograd.grad(out.primary.value, live)
     # beyond the clamp the log-ratio is constant: no gradient; inside (δ = 19) -A ρ w / d
     expected = [[0.0, 0.0, 1.0 * e19 * 0.5 / 5.0], [0.0, 0.0, 0.0]]
@@ -473,11 +500,11 @@ def test_single_iteration_ratio_is_one_and_gradient_is_minus_a_w_over_d(
     )
     logprobs = live_tensor()
     # old_logprobs present but must be ignored with one inner iteration
-    out = PolicyLoss(config)(logprobs, make_batch(with_ref=beta != "none"))
+    out = PolicyLoss(config)(ReplayScores(logprobs, None), make_batch(with_ref=beta != "none"))
     aux = out.aux_metrics
     assert aux["policy/ratio_mean"].value.item() == 1.0
-    assert aux["policy/ratio_max"].item() == 1.0
-    assert aux["policy/ratio_min"].item() == 1.0
+    assert extreme(aux["policy/ratio_max"]) == 1.0
+    assert extreme(aux["policy/ratio_min"], "min") == 1.0
     assert aux["policy/clip_frac_low"].value.item() == 0.0
     assert aux["policy/clip_frac_high"].value.item() == 0.0
     S, d, value, grads = hand_loss(
@@ -502,7 +529,7 @@ def test_single_iteration_ratio_is_one_and_gradient_is_minus_a_w_over_d(
 
 def test_single_iteration_parity_uses_live_scores():
     config = PolicyLossConfig(algorithm="dapo", num_iterations=1)
-    out = PolicyLoss(config)(live_tensor(), make_batch(with_ref=False))
+    out = PolicyLoss(config)(ReplayScores(live_tensor(), None), make_batch(with_ref=False))
     num = sum(W[b][i] * abs(LIVE[b][i] - BEHAVIOUR[b][i]) for b in range(4) for i in range(5))
     assert out.aux_metrics["policy/parity_mean_abs"].value.item() == pytest.approx(
         num / 9.75, rel=REL
@@ -516,7 +543,7 @@ def test_clip_zeroes_gradient_beyond_range_and_passes_it_inside(algorithm):
         algorithm=algorithm, num_iterations=2, aggregation="token_mean", beta="none"
     )
     logprobs = live_tensor()
-    out = PolicyLoss(config)(logprobs, make_batch(with_ref=False))
+    out = PolicyLoss(config)(ReplayScores(logprobs, None), make_batch(with_ref=False))
     (grad,) = torch.autograd.grad(out.primary.value, logprobs)
     d = 9.75
     high = 1.0 + CLIP_HIGH[algorithm]
@@ -572,7 +599,7 @@ def test_k3_is_non_negative():
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_zero_when_live_equals_reference(estimator):
     config = PolicyLossConfig(algorithm="grpo", num_iterations=2, beta=0.04, kl_estimator=estimator)
-    out = PolicyLoss(config)(live_tensor(), make_batch(ref=LIVE))
+    out = PolicyLoss(config)(ReplayScores(live_tensor(), None), make_batch(ref=LIVE))
     assert out.aux_metrics["policy/kl"].value.item() == 0.0
     S, _, _, _ = hand_loss(clip_high=0.2, beta="none", aggregation="sequence_mean_token_mean")
     assert out.primary.sum.item() == pytest.approx(S, rel=REL)
@@ -593,7 +620,7 @@ def test_kl_gradient_pulls_toward_reference(estimator, num_iterations):
         aggregation="token_mean",
     )
     batch = make_batch(adv=[0.0], weights=[[1.0, 1.0, 1.0]], old=live, behaviour=live, ref=ref)
-    out = PolicyLoss(config)(logprobs, batch)
+    out = PolicyLoss(config)(ReplayScores(logprobs, None), batch)
     (grad,) = torch.autograd.grad(out.primary.value, logprobs)
     assert grad[0, 0].item() > 0  # live > ref: descent lowers live
     assert grad[0, 1].item() < 0  # live < ref: descent raises live
@@ -605,7 +632,7 @@ def test_kl_gradient_pulls_toward_reference(estimator, num_iterations):
 
 def test_beta_zero_scores_reference_but_keeps_kl_out_of_the_loss():
     config = PolicyLossConfig(algorithm="grpo", num_iterations=2, beta=0.0)
-    out = PolicyLoss(config)(live_tensor(), make_batch())
+    out = PolicyLoss(config)(ReplayScores(live_tensor(), None), make_batch())
     S, *_ = hand_loss(clip_high=0.2, beta="none", aggregation="sequence_mean_token_mean")
     assert out.primary.sum.item() == pytest.approx(S, rel=REL)
     kl_sum = sum(W[b][i] * hand_kl(LIVE[b][i], REF[b][i], "k3") for b in range(4) for i in range(5))
@@ -617,7 +644,7 @@ def test_beta_zero_scores_reference_but_keeps_kl_out_of_the_loss():
 def test_aux_metrics_on_the_example():
     config = PolicyLossConfig(algorithm="grpo", num_iterations=2, beta=0.04, kl_estimator="k3")
     entropy = torch.tensor([[0.1 * (b + 1) + 0.01 * i for i in range(5)] for b in range(4)])
-    out = PolicyLoss(config)(live_tensor(), make_batch(), entropy=entropy)
+    out = PolicyLoss(config)(ReplayScores(live_tensor(), entropy), make_batch())
     aux = out.aux_metrics
     total_w = 9.75
     pg_sum = ratio_sum = low = high = parity_sum = kl_sum = ent_sum = 0.0
@@ -666,16 +693,16 @@ def test_aux_metrics_on_the_example():
         assert metric.denominator.item() == total_w, key
         assert metric.value.item() == pytest.approx(value, rel=REL), key
         assert not metric.sum.requires_grad, key
-    assert float(aux["policy/ratio_max"]) == pytest.approx(max(ratios), rel=REL)
-    assert float(aux["policy/ratio_min"]) == pytest.approx(min(ratios), rel=REL)
-    assert float(aux["policy/parity_max_abs"]) == pytest.approx(max(parities), rel=REL)
+    assert extreme(aux["policy/ratio_max"]) == pytest.approx(max(ratios), rel=REL)
+    assert extreme(aux["policy/ratio_min"], "min") == pytest.approx(min(ratios), rel=REL)
+    assert extreme(aux["policy/parity_max_abs"]) == pytest.approx(max(parities), rel=REL)
     # inactive slots with large behaviour gaps (0.5, 0.9, 0.7, 0.6) are ignored
     assert max(parities) == pytest.approx(0.05, rel=1e-9)
 
 
 def test_aux_clip_fractions_for_dapo_clip_high():
     config = PolicyLossConfig(algorithm="dapo", num_iterations=2)
-    out = PolicyLoss(config)(live_tensor(), make_batch(with_ref=False))
+    out = PolicyLoss(config)(ReplayScores(live_tensor(), None), make_batch(with_ref=False))
     # with 1 + 0.28 only row 0 slot 0 (ρ = e^0.5) is high-clipped
     assert out.aux_metrics["policy/clip_frac_high"].value.item() == pytest.approx(
         1.0 / 9.75, rel=REL
@@ -690,7 +717,9 @@ def test_aux_clip_fractions_for_dapo_clip_high():
 def test_multiple_iterations_need_old_logprobs():
     config = PolicyLossConfig(algorithm="grpo", num_iterations=2, beta="none")
     with pytest.raises(ValueError, match="old_logprobs"):
-        PolicyLoss(config)(live_tensor(), make_batch(with_old=False, with_ref=False))
+        PolicyLoss(config)(
+            ReplayScores(live_tensor(), None), make_batch(with_old=False, with_ref=False)
+        )
 
 
 @pytest.mark.parametrize("beta", [0.04, 0.0])
@@ -698,13 +727,15 @@ def test_multiple_iterations_need_old_logprobs():
 def test_beta_needs_ref_logprobs(beta, num_iterations):
     config = PolicyLossConfig(algorithm="grpo", num_iterations=num_iterations, beta=beta)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        PolicyLoss(config)(live_tensor(), make_batch(with_ref=False))
+        PolicyLoss(config)(ReplayScores(live_tensor(), None), make_batch(with_ref=False))
 
 
 @pytest.mark.parametrize("algorithm", ["dapo", "drgrpo"])
 def test_no_reference_needed_when_beta_none(algorithm):
     config = PolicyLossConfig(algorithm=algorithm, num_iterations=1)
-    out = PolicyLoss(config)(live_tensor(), make_batch(with_old=False, with_ref=False))
+    out = PolicyLoss(config)(
+        ReplayScores(live_tensor(), None), make_batch(with_old=False, with_ref=False)
+    )
     assert math.isfinite(out.primary.value.item())
     assert "policy/kl" not in out.aux_metrics
 
@@ -736,7 +767,9 @@ def hand_advantages(rewards, group, mode="group_std", ddof=1, eps=1e-6):
     ],
 )
 def test_group_advantages_hand_values(mode, ddof, eps):
-    got = group_advantages(torch.tensor(REWARDS), 3, mode=mode, ddof=ddof, eps=eps)
+    scale = {"group_std": "group", "group_mean": "none"}[mode]
+    spec = AdvantageSpec(scale=scale, ddof=ddof, eps=eps)
+    got = group_advantages(torch.tensor(REWARDS), 3, spec)
     assert got.dtype == torch.float32
     assert got.shape == (9,)
     expected = hand_advantages(REWARDS, 3, mode, ddof, eps)
@@ -747,6 +780,7 @@ def test_group_advantages_hand_values(mode, ddof, eps):
 
 
 def test_group_advantages_defaults_are_grpo_ddof1_eps1e6():
+    assert AdvantageSpec() == AdvantageSpec(scale="group", ddof=1, eps=1e-6, clip=None)
     got = group_advantages(torch.tensor([0.0, 1.0, 5.0, 5.0]), 2)
     # group [0, 1]: mean 0.5, std (ddof 1) = sqrt(0.5)
     s = math.sqrt(0.5)
@@ -754,7 +788,7 @@ def test_group_advantages_defaults_are_grpo_ddof1_eps1e6():
 
 
 def test_group_advantages_integer_rewards_and_sign():
-    got = group_advantages(torch.tensor([0, 1, 1, 1]), 4, mode="group_mean")
+    got = group_advantages(torch.tensor([0, 1, 1, 1]), 4, AdvantageSpec(scale="none"))
     assert got.dtype == torch.float32
     assert got.tolist() == pytest.approx([-0.75, 0.25, 0.25, 0.25], rel=1e-6)
 
@@ -765,12 +799,13 @@ def test_group_advantages_rejects_bad_shapes():
     with pytest.raises(ValueError, match=r"multiple of group_size=2.*\(5,\)"):
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="group_size"):
-        group_advantages(torch.zeros(4), 1, ddof=1)  # std of one sample with ddof 1
+        group_advantages(torch.zeros(4), 1, AdvantageSpec(ddof=1))  # std of one sample, ddof 1
 
 
 def test_group_advantages_group_of_one_with_ddof0_or_mean():
-    assert group_advantages(torch.tensor([3.0, 5.0]), 1, ddof=0).tolist() == [0.0, 0.0]
-    assert group_advantages(torch.tensor([3.0, 5.0]), 1, mode="group_mean").tolist() == [0.0, 0.0]
+    rewards = torch.tensor([3.0, 5.0])
+    assert group_advantages(rewards, 1, AdvantageSpec(ddof=0)).tolist() == [0.0, 0.0]
+    assert group_advantages(rewards, 1, AdvantageSpec(scale="none")).tolist() == [0.0, 0.0]
 
 
 # ------------------------------------------------------------------ overlong penalty
@@ -844,6 +879,16 @@ def test_config_resolves_grpo():
     assert c.num_iterations == 1
     assert c.kl_estimator == "k3"
     assert c.dual_clip is None
+
+
+def test_config_advantage_spec_mapping():
+    """group_std -> scale group with std_ddof / std_eps; group_mean (Dr.GRPO) -> scale none."""
+    assert PolicyLossConfig().advantage_spec == AdvantageSpec(scale="group", ddof=1, eps=1e-6)
+    assert PolicyLossConfig(std_ddof=0, std_eps=1e-2).advantage_spec == AdvantageSpec(
+        scale="group", ddof=0, eps=1e-2
+    )
+    assert PolicyLossConfig(algorithm="dapo").advantage_spec == AdvantageSpec(scale="group")
+    assert PolicyLossConfig(algorithm="drgrpo").advantage_spec == AdvantageSpec(scale="none")
 
 
 def test_config_explicit_overrides_win_even_when_falsy():
@@ -966,16 +1011,20 @@ def test_inactive_non_finite_values_never_reach_loss_or_metrics(case, kl):
     beta, estimator = kl
     config = PolicyLossConfig(algorithm="grpo", num_iterations=2, beta=beta, kl_estimator=estimator)
     logprobs, batch = poisoned_example(*NONFINITE_CASES[case])
-    out = PolicyLoss(config)(logprobs, batch)
+    out = PolicyLoss(config)(ReplayScores(logprobs, None), batch)
     S, d, value, _ = hand_loss(
         clip_high=0.2, beta=beta, estimator=estimator, aggregation="sequence_mean_token_mean"
     )
     assert out.primary.sum.item() == pytest.approx(S, rel=REL)
     assert out.primary.value.item() == pytest.approx(value, rel=REL)
     for key, metric in out.aux_metrics.items():
-        v = metric.value if isinstance(metric, WeightedMetric) else torch.as_tensor(metric)
+        v = (
+            metric.value
+            if isinstance(metric, (WeightedMetric, Extreme))
+            else torch.as_tensor(metric)
+        )
         assert math.isfinite(float(v)), key
-    assert float(out.aux_metrics["policy/ratio_max"]) == pytest.approx(math.exp(1.0), rel=REL)
+    assert extreme(out.aux_metrics["policy/ratio_max"]) == pytest.approx(math.exp(1.0), rel=REL)
 
 
 def _gradient_case_ids():
@@ -991,7 +1040,7 @@ def test_inactive_non_finite_values_never_reach_gradient(case, kl):
     beta, estimator = kl
     config = PolicyLossConfig(algorithm="grpo", num_iterations=2, beta=beta, kl_estimator=estimator)
     logprobs, batch = poisoned_example(*NONFINITE_CASES[case])
-    out = PolicyLoss(config)(logprobs, batch)
+    out = PolicyLoss(config)(ReplayScores(logprobs, None), batch)
     (grad,) = torch.autograd.grad(out.primary.value, logprobs)
     assert bool(torch.isfinite(grad).all()), grad
     _, _, _, grads = hand_loss(
@@ -1011,7 +1060,7 @@ def test_logprob_by_advantage_sign_metrics():
         torch.where(weights != 0, 4, -1),
         weights,
     )
-    out = PolicyLoss(PolicyLossConfig(beta="none"))(logprobs, batch)
+    out = PolicyLoss(PolicyLossConfig(beta="none"))(ReplayScores(logprobs, None), batch)
     # positive side: row 0, slots 0-1 → (-0.5 - 1.5) / 2; negative: row 1 → (0.5·-2 + -4) / 1.5
     assert float(out.aux_metrics["policy/logprob_pos_adv"].value) == pytest.approx(-1.0)
     assert float(out.aux_metrics["policy/logprob_neg_adv"].value) == pytest.approx(-5.0 / 1.5)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from diffusion_rl.contracts import WeightedMetric
+from diffusion_rl.contracts import Extreme, WeightedMetric
 from diffusion_rl.train import loggers
 from diffusion_rl.train.loggers import MetricsLogger, progress
 from diffusion_rl.train.metrics import reduce_metrics, reduce_weighted
@@ -66,8 +66,24 @@ def test_mixing_kinds_under_one_key_is_a_type_error(order):
     items = [{"acc": wm(1.0, 2.0)}, {"acc": 0.5}]
     if order == "plain_first":
         items.reverse()
-    with pytest.raises(TypeError, match=r"metric 'acc': mixes WeightedMetric and plain scalar"):
+    with pytest.raises(TypeError, match=r"metric 'acc': mixes (WeightedMetric|plain scalar) and"):
         reduce_metrics(items)
+    with pytest.raises(TypeError, match=r"metric 'acc': mixes Extreme \(max\) and plain scalar"):
+        reduce_metrics([{"acc": Extreme(torch.tensor(1.0))}, {"acc": 0.5}])
+
+
+def test_extremes_reduce_to_the_true_max_and_min():
+    """Extremes over micro-batches are the extremes of the whole batch, not their mean."""
+    items = [
+        {"hi": Extreme(torch.tensor(3.0)), "lo": Extreme(torch.tensor(-1.0), "min")},
+        {"hi": Extreme(7.0), "lo": Extreme(torch.tensor(2.0), "min")},
+        {"hi": Extreme(torch.tensor(5.0))},
+    ]
+    assert reduce_metrics(items) == {"hi": 7.0, "lo": -1.0}
+    with pytest.raises(ValueError, match="Extreme.kind"):
+        Extreme(1.0, "mean")
+    with pytest.raises(ValueError, match="Extreme.value"):
+        Extreme(torch.ones(2))
 
 
 def test_unsupported_value_is_a_type_error():

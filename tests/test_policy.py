@@ -1,19 +1,22 @@
 """The GRPO-family learner: exact ratios, fixed old policy, roles and versions, rollouts."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import tiny_model
 
+from diffusion_rl.advantages import OverlongShaping, group_advantages
 from diffusion_rl.config import ConfigError, GRPORecipeConfig, build_config
 from diffusion_rl.objectives.grpo import PolicyLoss, PolicyLossConfig
 from diffusion_rl.rewards import CombinedReward, TaskVerifierReward
-from diffusion_rl.rollout import collect_rollouts, merge_rollouts, sample_groups
+from diffusion_rl.rollout import Rollout, TokenSource, collect_rollout
 from diffusion_rl.sampling import TokenSamplerConfig
 from diffusion_rl.tasks import ArithmeticConfig, ArithmeticTask
 from diffusion_rl.train import OptimConfig, Trainer
-from diffusion_rl.train.policy import PolicyLearner
+from diffusion_rl.train.learner import PolicyLearner
+from diffusion_rl.train.plans import TokenPolicyPlan
 from diffusion_rl.train.roles import PolicyRoles, StaleTraceError
 
 TASK = ArithmeticTask(ArithmeticConfig(num_digits=1))
@@ -22,31 +25,58 @@ SAMPLER = TokenSamplerConfig(
 )
 
 
-def learner_for(policy: PolicyLossConfig, *, lr=1e-2, scorer="exact", **options):
+def learner_for(policy: PolicyLossConfig, *, lr=1e-2, eps=1e-8, scorer="exact", **options):
     model = tiny_model("block_causal", vocab=TASK.tokenizer.vocab_size)
     roles = PolicyRoles(model, reference=policy.uses_reference)
 
     def make_trainer(actor, loss_fn):
-        return Trainer(actor, loss_fn, OptimConfig(lr=lr, grad_clip=None))
+        return Trainer(actor, loss_fn, OptimConfig(lr=lr, eps=eps, grad_clip=None))
 
-    return PolicyLearner(roles, PolicyLoss(policy), make_trainer, scorer=scorer, **options)
+    return PolicyLearner(
+        roles, TokenPolicyPlan(PolicyLoss(policy), scorer=scorer), make_trainer, **options
+    )
 
 
-def rollout_for(learner, policy, start=0, prompts=4, group=4, reward_fn=None):
+def shaping_for(policy: PolicyLossConfig):
+    """DAPO's overlong shaping as the GRPO recipe builds it (None when the buffer is 0)."""
+    if not policy.overlong_buffer_tokens:
+        return None
+    return OverlongShaping(
+        policy.overlong_max_tokens or SAMPLER.generation_length,
+        policy.overlong_buffer_tokens,
+        policy.overlong_penalty,
+    )
+
+
+def collect(model, policy, *, start=0, prompts=4, group=4, reward_fn=None, weights_version=0):
     reward_fn = reward_fn or CombinedReward([(TaskVerifierReward(TASK), 1.0)])
-    rollout, _ = collect_rollouts(
-        learner.roles.rollout,
-        TASK,
+    rollout, _ = collect_rollout(
+        model,
+        TokenSource(TASK, SAMPLER),
         reward_fn,
         start_prompt=start,
         num_prompts=prompts,
         group_size=group,
-        sampler=SAMPLER,
-        policy=policy,
-        weights_version=learner.roles.version,
+        weights_version=weights_version,
         seed=0,
+        advantage=policy.advantage_spec,
+        shaping=shaping_for(policy),
+        dynamic_sampling=policy.dynamic_sampling,
+        max_sampling_rounds=4,
     )
     return rollout
+
+
+def rollout_for(learner, policy, start=0, prompts=4, group=4, reward_fn=None):
+    return collect(
+        learner.roles.rollout,
+        policy,
+        start=start,
+        prompts=prompts,
+        group=group,
+        reward_fn=reward_fn,
+        weights_version=learner.roles.version,
+    )
 
 
 class RandomReward:
@@ -83,13 +113,13 @@ def test_old_policy_is_fixed_across_inner_iterations_while_live_changes():
     policy = PolicyLossConfig(algorithm="grpo", num_iterations=3, beta="none")
     learner = learner_for(policy)
     seen = []
-    real = learner.loss.__call__
+    real = learner.plan.loss
 
-    def spy(logprobs, batch, entropy=None):
-        seen.append((logprobs.detach().clone(), batch.model_inputs["old_logprobs"].clone()))
-        return real(logprobs, batch, entropy)
+    def spy(scores, batch):
+        seen.append((scores.logprobs.detach().clone(), batch.model_inputs["old_logprobs"].clone()))
+        return real(scores, batch)
 
-    learner.loss = type("Spy", (), {"__call__": staticmethod(spy), "config": policy})()
+    learner.plan.loss = spy
     learner.step(rollout_for(learner, policy, reward_fn=spread_rewards()))
     assert len(seen) == 3
     olds = [old for _, old in seen]
@@ -139,51 +169,72 @@ def test_fail_closed_configuration():
     with pytest.raises(ValueError, match="not target-aligned"):
         PolicyLearner(
             PolicyRoles(model),
-            PolicyLoss(PolicyLossConfig()),
+            TokenPolicyPlan(PolicyLoss(PolicyLossConfig())),
             lambda m, f: Trainer(m, f, OptimConfig()),
         )
-    with pytest.raises(ValueError, match="reference pass needs"):
+    with pytest.raises(ValueError, match=r"scores a reference model.*reference=True"):
         PolicyLearner(
             PolicyRoles(tiny_model("block_causal", vocab=16), reference=False),
-            PolicyLoss(PolicyLossConfig(beta=0.04)),
+            TokenPolicyPlan(PolicyLoss(PolicyLossConfig(beta=0.04))),
             lambda m, f: Trainer(m, f, OptimConfig()),
         )
 
 
-def test_rollout_batch_layout_and_merge_checks():
+def test_rollout_layout_and_concat_checks():
     policy = PolicyLossConfig(beta="none")
     learner = learner_for(policy)
-    reward_fn = CombinedReward([(TaskVerifierReward(TASK), 1.0)])
-    kwargs = dict(
-        group_size=4,
-        sampler=SAMPLER,
-        policy=policy,
-        post_stop_weight=0.5,
-        weights_version=0,
-        seed=0,
-    )
-    a = sample_groups(learner.roles.rollout, TASK, reward_fn, [0, 1], **kwargs)
-    b = sample_groups(learner.roles.rollout, TASK, reward_fn, [2], **kwargs)
-    merged = merge_rollouts([a, b])
-    assert merged.batch.batch_size == 12 and len(merged.trace) == 12
+    model = learner.roles.rollout
+    a = collect(model, policy, start=0, prompts=2)
+    b = collect(model, policy, start=2, prompts=1)
+    merged = Rollout.concat([a, b])
+    assert len(merged) == 12 and len(merged.trace) == 12 and merged.group_size == 4
+    assert len(merged.outputs) == 12 and merged.rewards.shape == (12,)
     assert merged.examples[0].prompt == merged.examples[3].prompt != merged.examples[4].prompt
-    advantages = merged.batch.model_inputs["advantages"].view(3, 4)
+    advantages = merged.advantages.view(3, 4)
     assert torch.allclose(advantages.sum(1), torch.zeros(3), atol=1e-5)  # centred per group
+    # advantages are per group, so the parts' advantages are those of the whole
     assert torch.equal(
-        merged.batch.model_inputs["behaviour_logprobs"], merged.trace.behaviour_logprobs
+        merged.advantages, group_advantages(merged.rewards, 4, policy.advantage_spec)
     )
+    # rows() slices every field alike: the last group is rollout b
+    tail = merged.rows(torch.arange(8, 12))
+    assert torch.equal(tail.trace.tokens, b.trace.tokens) and tail.outputs == b.outputs
+    assert torch.equal(tail.rewards, b.rewards) and torch.equal(tail.advantages, b.advantages)
+
+    # what the learner trains on: the plan's prepared batch, row-aligned with the rollout
+    plan = TokenPolicyPlan(PolicyLoss(policy), post_stop_weight=0.5)
+    settings = plan.pin(merged.trace)
+    (batch,) = plan.batches(merged, settings, rollout_step=0, micro_batch_size=None)
+    assert batch.batch_size == 12
+    assert torch.equal(batch.model_inputs["advantages"], merged.advantages)
+    assert torch.equal(batch.model_inputs["behaviour_logprobs"], merged.trace.behaviour_logprobs)
     post = merged.trace.post_stop()
-    assert bool((merged.batch.loss_weights[post] == 0.5).all())
-    other = sample_groups(
-        learner.roles.rollout, TASK, reward_fn, [3], **{**kwargs, "weights_version": 7}
-    )
+    assert bool((batch.loss_weights[post] == 0.5).all())
+    micro = plan.batches(merged, settings, rollout_step=0, micro_batch_size=5)
+    assert [m.batch_size for m in micro] == [5, 5, 2]
+
+    # Rollout.concat's checks
+    other = collect(model, policy, start=3, prompts=1, weights_version=7)
     with pytest.raises(ValueError, match="weights_version"):
-        merge_rollouts([a, other])
-    no_trace = type(a)(**{**a.__dict__, "trace": None})
-    with pytest.raises(ValueError, match="carry no trace"):
-        merge_rollouts([a, no_trace])
+        Rollout.concat([a, other])
+    with pytest.raises(ValueError, match="rollout 1 has group_size 2, rollout 0 4"):
+        Rollout.concat([a, replace(b, group_size=2)])
+    extra = {**b.reward_parts, "extra": torch.zeros(4)}
+    with pytest.raises(ValueError, match="rollout 1 has rewards"):
+        Rollout.concat([a, replace(b, reward_parts=extra)])
+    with pytest.raises(ValueError, match="rollout 1 disagrees on having advantages"):
+        Rollout.concat([a, replace(b, advantages=None)])
     with pytest.raises(ValueError, match="expected at least one"):
-        merge_rollouts([])
+        Rollout.concat([])
+    # Rollout's row-count validation: every field has the trace's rows, in whole groups
+    with pytest.raises(ValueError, match=r"Rollout.rewards: expected 8 rows \(the trace\), got 7"):
+        replace(a, rewards=a.rewards[:-1])
+    with pytest.raises(ValueError, match=r"Rollout.outputs: expected 8 rows"):
+        replace(a, outputs=a.outputs[:-1])
+    with pytest.raises(ValueError, match=r"Rollout.advantages: expected 8 rows"):
+        replace(a, advantages=a.advantages[:4])
+    with pytest.raises(ValueError, match="8 rows is not a multiple of group_size=3"):
+        replace(a, group_size=3)
 
 
 def test_dynamic_sampling_drops_equal_reward_groups_and_refills():
@@ -246,7 +297,7 @@ def test_roles_snapshot_reference_and_offload():
     policy = PolicyLossConfig(num_iterations=2, beta=0.04)
     learner = PolicyLearner(
         PolicyRoles(tiny_model("block_causal", vocab=16), offload_device="cpu"),
-        PolicyLoss(policy),
+        TokenPolicyPlan(PolicyLoss(policy)),
         lambda m, f: Trainer(m, f, OptimConfig(lr=1e-2)),
     )
     metrics = learner.step(rollout_for(learner, policy, reward_fn=spread_rewards()))
@@ -262,6 +313,49 @@ def test_every_scorer_drives_a_full_step(scorer):
     if scorer in ("exact", "packed"):
         assert metrics["policy/ratio_mean@iter0"] == pytest.approx(1.0, abs=1e-6)
         assert metrics["policy/parity_max_abs@iter0"] <= 1e-5
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_micro_batch_size_does_not_change_the_step(iterations):
+    """The learner interface: one rollout of 16 rows trained with micro-batches of 1, 2, 3
+    (uneven: 5 × 3 + 1) or all rows gives the same step. The loss is normalised once over
+    the whole batch, so the parameters agree to float32 rounding; the ratio and parity
+    extremes are true extremes over micro-batches, exactly 1 and 0 before the update.
+
+    The optimiser is Adam in its SGD limit (eps ≫ |g|: update ≈ lr · g / eps = 1e-4 g): plain
+    Adam normalises each element, so in directions whose gradient is mathematically zero
+    (the attention key biases: softmax is shift-invariant) it would turn float32 rounding
+    noise into ±lr steps and compare noise, not the step. ``atol`` is the float32 rounding
+    of weights near zero (ulp(0.1) ≈ 7e-9), far below the step (> 1e-4)."""
+    policy = PolicyLossConfig(algorithm="grpo", num_iterations=iterations, beta=0.04)
+    rollout = initial = None
+    results, weighted = {}, {}
+    for size in (None, 1, 2, 3):
+        learner = learner_for(policy, lr=1e-2, eps=100.0, micro_batch_size=size)
+        if rollout is None:  # every learner starts from the same weights at version 0
+            initial = [p.detach().clone() for p in learner.roles.actor.parameters()]
+            rollout = rollout_for(learner, policy, reward_fn=spread_rewards())
+        assert len(rollout) == 16
+        metrics = learner.step(rollout)
+        assert metrics["learner/micro_batches"] == (1 if size is None else -(-16 // size))
+        assert metrics["policy/ratio_max@iter0"] == 1.0
+        assert metrics["policy/ratio_min@iter0"] == 1.0
+        assert metrics["policy/parity_max_abs@iter0"] == 0.0
+        assert metrics["weights_version"] == 1.0
+        # before the update ρ = 1 and KL = 0, so the loss is -mean(A) over rows: 0 (centred)
+        assert metrics["loss@iter0"] == pytest.approx(0.0, abs=1e-6)
+        weighted[size] = [
+            metrics[f"policy/{key}@iter0"] for key in ("logprob_pos_adv", "logprob_neg_adv")
+        ]
+        results[size] = [p.detach().clone() for p in learner.roles.actor.parameters()]
+    for size in (1, 2, 3):  # weighted metrics reduce globally: the same value for any split
+        assert weighted[size] == pytest.approx(weighted[None], rel=1e-6)
+    whole = results[None]
+    moved = max(float((p - q).abs().max()) for p, q in zip(whole, initial))
+    assert moved > 1e-4  # a real step, far above the tolerance below
+    for size in (1, 2, 3):
+        for p, q in zip(results[size], whole):
+            torch.testing.assert_close(p, q, rtol=2e-6, atol=1e-8)
 
 
 def test_grpo_learns_a_simple_preference():

@@ -16,8 +16,9 @@ from diffusion_rl.config import (
     merge_dicts,
     parse_overrides,
 )
-from diffusion_rl.models.io import load_model_dir
-from diffusion_rl.recipes.sft import build_task, run_sft
+from diffusion_rl.models import load_model
+from diffusion_rl.recipes.common import token_task
+from diffusion_rl.recipes.sft import run_sft
 from diffusion_rl.train import Trainer
 
 TINY = {
@@ -112,10 +113,10 @@ def test_sft_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):
 
     real_step = Trainer.train_step
 
-    def dying_step(self, micro_batches):
+    def dying_step(self, micro_batches, loss_fn=None):
         if self.global_step == 4:
             raise KeyboardInterrupt  # killed after the step-3 checkpoint, mid-run
-        return real_step(self, micro_batches)
+        return real_step(self, micro_batches, loss_fn)
 
     monkeypatch.setattr(Trainer, "train_step", dying_step)
     with pytest.raises(KeyboardInterrupt):
@@ -123,9 +124,10 @@ def test_sft_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "train_step", real_step)
     resumed = run_sft(tiny_config(tmp_path, "killed"), echo=lambda _: None)
     assert resumed["steps"] == 6
+    assert resumed["history"] == straight["history"]  # kept in the checkpoint state
 
-    a = load_model_dir(tmp_path / "straight" / "model").model.state_dict()
-    b = load_model_dir(tmp_path / "killed" / "model").model.state_dict()
+    a = load_model(tmp_path / "straight" / "model").model.state_dict()
+    b = load_model(tmp_path / "killed" / "model").model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     # a changed objective refuses to resume, naming the key
@@ -186,7 +188,10 @@ def test_shipped_config_matches_the_defaults():
     )
     defaults = SFTRecipeConfig()
     assert shipped.model_dump(exclude={"task"}) == defaults.model_dump(exclude={"task"})
-    assert build_task(shipped.task, 4).config == build_task(defaults.task, 4).config
+    assert (
+        token_task(shipped.task, 4, {}, "task").config
+        == token_task(defaults.task, 4, {}, "task").config
+    )
 
 
 GRPO_TINY = {
@@ -234,10 +239,10 @@ def test_grpo_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):
 
     real_step = Trainer.train_step
 
-    def dying_step(self, micro_batches):
+    def dying_step(self, micro_batches, loss_fn=None):
         if self.global_step == 3:
             raise KeyboardInterrupt
-        return real_step(self, micro_batches)
+        return real_step(self, micro_batches, loss_fn)
 
     monkeypatch.setattr(Trainer, "train_step", dying_step)
     with pytest.raises(KeyboardInterrupt):
@@ -245,15 +250,17 @@ def test_grpo_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "train_step", real_step)
     resumed = run_grpo(config("killed"), echo=lambda _: None)
     assert resumed["weights_version"] == 4
-    a = load_model_dir(tmp_path / "straight" / "model").model.state_dict()
-    b = load_model_dir(tmp_path / "killed" / "model").model.state_dict()
+    assert resumed["history"] == straight["history"]  # kept in the checkpoint state
+    assert resumed["accuracy_before"] == straight["accuracy_before"]
+    a = load_model(tmp_path / "straight" / "model").model.state_dict()
+    b = load_model(tmp_path / "killed" / "model").model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(Exception, match="objective.clip_low"):
         run_grpo(config("killed", policy={"clip_low": 0.1}, steps=6), echo=lambda _: None)
 
 
 def test_quickstart_runs_sft_then_grpo(tmp_path, capsys):
-    from diffusion_rl.recipes.quickstart import run_quickstart
+    from diffusion_rl.quickstart import run_quickstart
 
     overrides = [f"sft.{k}={json.dumps(v)}" for k, v in TINY.items() if k != "steps"]
     overrides += [

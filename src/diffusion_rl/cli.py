@@ -66,7 +66,7 @@ def cmd_distill(args) -> int:
     student, teacher = report["student"], report["teacher"]
     print(
         f"student accuracy {student['accuracy_before']:.3f} -> {student['accuracy_after']:.3f} "
-        f"(teacher {teacher['accuracy']:.3f}); report in {Path(config.output_dir) / 'report.json'}"
+        f"(teacher {teacher['accuracy']:.3f}); results in {Path(config.output_dir) / 'results.json'}"
     )
     return 0
 
@@ -98,26 +98,34 @@ def cmd_flow_grpo(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
-    from .recipes.quickstart import run_quickstart, run_quickstart_image
+    from .quickstart import run_quickstart, run_quickstart_image
 
     if args.mode == "image":
         output_dir = args.output_dir or "runs/quickstart_image"
         run_quickstart_image(
-            output_dir, steps=args.steps, rl_steps=args.rl_steps, overrides=args.set
+            output_dir,
+            steps=args.steps,
+            rl_steps=args.rl_steps,
+            overrides=args.set,
+            threads=args.threads,
         )
     else:
         output_dir = args.output_dir or "runs/quickstart"
-        run_quickstart(output_dir, steps=args.steps, rl_steps=args.rl_steps, overrides=args.set)
+        run_quickstart(
+            output_dir,
+            steps=args.steps,
+            rl_steps=args.rl_steps,
+            overrides=args.set,
+            threads=args.threads,
+        )
     return 0
 
 
-def _load(model_dir: str, sampler_overrides: dict):
-    from .models.io import load_model_dir
+def _token_sampler(info: dict, sampler_overrides: dict):
+    """The model directory's recorded token sampler, with the sampler flags applied."""
     from .sampling import TokenSamplerConfig
 
-    loaded = load_model_dir(model_dir)
-    sampler = TokenSamplerConfig(**{**loaded.info.get("sampler", {}), **sampler_overrides})
-    return loaded, sampler
+    return TokenSamplerConfig(**{**info.get("sampler", {}), **sampler_overrides})
 
 
 def _refuse_flags(args, flags: dict, kind: str) -> None:
@@ -154,15 +162,13 @@ def _serving_sampler(info: dict, args):
     return FlowSamplerConfig(**settings)
 
 
-def cmd_generate_images(args) -> int:
-    """``generate`` for an image model directory: a captioned PNG grid of the samples."""
-    from .models.io import load_flow_model_dir
+def cmd_generate_images(args, loaded) -> int:
+    """``generate`` for a loaded flow (image) model: a captioned PNG grid of the samples."""
     from .plots import save_image_grid
     from .sampling.flow import sample_flow
     from .tasks.geneval import parse_prompt
 
     _check_no_token_flags(args, "length", "trace")
-    loaded = load_flow_model_dir(args.model)
     sampler = _serving_sampler(loaded.info, args)
     prompts = [p for _ in range(args.samples) for p in args.prompt]  # sample-major
     seeds = [args.seed + i for i in range(len(prompts))]
@@ -192,15 +198,13 @@ def cmd_generate_images(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
+def cmd_generate_tokens(args, loaded) -> int:
+    """``generate`` for a loaded token model: the completion of every ``--prompt``."""
     import torch
 
-    from .models.io import is_flow_model_dir
     from .sampling import sample_tokens
 
-    if is_flow_model_dir(args.model):
-        return cmd_generate_images(args)
-    loaded, sampler = _load(args.model, _sampler_overrides(args))
+    sampler = _token_sampler(loaded.info, _sampler_overrides(args))
     if args.length is not None:
         sampler = sampler.model_copy(update={"generation_length": args.length})
     tok = loaded.tokenizer
@@ -235,15 +239,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_eval_images(args) -> int:
-    """``eval`` for an image model directory: verifier accuracy per attribute on its task's
+def cmd_eval_images(args, loaded) -> int:
+    """``eval`` for a loaded flow (image) model: verifier accuracy per attribute on its task's
     ``--split`` prompts, ``--samples`` images each (seeds ``--seed``, ``--seed`` + 1, ...)."""
     from .evaluation import evaluate_images
-    from .models.io import load_flow_model_dir
     from .tasks.geneval import GenEvalTask
 
     _check_no_token_flags(args, "examples")
-    loaded = load_flow_model_dir(args.model)
     task_info = loaded.info.get("task")
     if not task_info or task_info.get("name") != GenEvalTask.name:
         raise ValueError(f"--model: {args.model} records no mini-GenEval task to evaluate on")
@@ -267,16 +269,14 @@ def cmd_eval_images(args) -> int:
     return 0
 
 
-def cmd_eval(args) -> int:
+def cmd_eval_tokens(args, loaded) -> int:
+    """``eval`` for a loaded token model: accuracy on its task's ``--split`` problems."""
     from .evaluation import evaluate_task, format_samples
-    from .models.io import is_flow_model_dir
     from .tasks import get_task
 
-    if is_flow_model_dir(args.model):
-        return cmd_eval_images(args)
     image_flags = {"samples": args.samples, "num_steps": args.num_steps, "guidance": args.guidance}
     _refuse_flags(args, image_flags, "image")
-    loaded, sampler = _load(args.model, _sampler_overrides(args))
+    sampler = _token_sampler(loaded.info, _sampler_overrides(args))
     task_info = dict(loaded.info.get("task", {"name": "arithmetic"}))
     task = get_task(task_info.pop("name"), **task_info)
     result = evaluate_task(
@@ -292,6 +292,32 @@ def cmd_eval(args) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return 0
+
+
+# ``generate`` / ``eval`` per model kind (``LoadedModel.kind``): each takes (args, loaded).
+GENERATE = {"token": cmd_generate_tokens, "flow": cmd_generate_images}
+EVAL = {"token": cmd_eval_tokens, "flow": cmd_eval_images}
+
+
+def _dispatch(table: dict, args) -> int:
+    """Load ``args.model`` once and run ``table``'s command for its kind."""
+    from .models.io import load_model
+
+    loaded = load_model(args.model)
+    if loaded.kind not in table:
+        raise ValueError(
+            f"--model: {args.model} is a {loaded.kind} model; {args.command} handles "
+            f"{' and '.join(sorted(table))} models"
+        )
+    return table[loaded.kind](args, loaded)
+
+
+def cmd_generate(args) -> int:
+    return _dispatch(GENERATE, args)
+
+
+def cmd_eval(args) -> int:
+    return _dispatch(EVAL, args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="SFT steps (default: the quickstart's)")
     p.add_argument(
         "--rl-steps", type=int, default=None, help="GRPO steps (default: the quickstart's)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads (default: 1, the fastest for the built-in models' size)",
     )
     p.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override sft.KEY or grpo.KEY"

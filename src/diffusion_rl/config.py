@@ -50,13 +50,42 @@ class TaskSection(BaseModel):
         return dict(self.model_extra or {})
 
 
-class ModelSection(BaseModel):
+class RunConfig(BaseModel):
+    """The run fields every recipe shares (each recipe may change their defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str = "runs/run"
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = Field(default=None, gt=0)  # null: 1 for small models (recipes/run.py)
+    steps: int = Field(default=200, gt=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    eval_every: int = Field(default=25, gt=0)
+    checkpoint_every: int = Field(default=50, gt=0)
+    keep_last: int = Field(default=2, gt=0)
+    log_every: int = Field(default=1, gt=0)
+    resume: bool = True
+
+
+ModelKind = Literal["token", "flow"]
+
+
+class ModelRef(BaseModel):
+    """A model directory to start from: ``path`` (any directory ``load_model`` reads) and the
+    ``kind`` it must be (``token`` or ``flow``; null: whatever the recipe needs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: ModelKind | None = None
+    path: str
+
+
+class ModelSection(ModelRef):
     """A new built-in transformer of this size, or ``path`` to a saved model directory.
 
     The block size comes from ``sampler.block_size`` so model, data and sampler agree.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     path: str | None = None
     d_model: int = Field(default=128, gt=0)
@@ -66,31 +95,23 @@ class ModelSection(BaseModel):
     attention: Literal["bidirectional", "block_causal"] = "block_causal"
 
 
-class SFTRecipeConfig(BaseModel):
+class SFTRecipeConfig(RunConfig):
     """``diffusion-rl sft``: masked-diffusion SFT on a built-in task, with evaluation."""
 
-    model_config = ConfigDict(extra="forbid")
-
     output_dir: str = "runs/sft"
-    seed: int = 0
-    device: str = "cpu"
-    threads: int | None = Field(default=None, gt=0)
+    steps: int = Field(default=2000, gt=0)
+    eval_every: int = Field(default=500, gt=0)
+    checkpoint_every: int = Field(default=500, gt=0)
+    log_every: int = Field(default=10, gt=0)
     task: TaskSection = TaskSection()
     model: ModelSection = ModelSection()
     objective: MaskedDiffusionSFTConfig = MaskedDiffusionSFTConfig()
     optim: OptimConfig = OptimConfig()
     sampler: TokenSamplerConfig = TokenSamplerConfig()
-    steps: int = Field(default=2000, gt=0)
     batch_size: int = Field(default=64, gt=0)
     micro_batch_size: int | None = Field(default=None, gt=0)
-    precision: Literal["fp32", "bf16"] = "fp32"
     activation_checkpointing: bool = False
-    eval_every: int = Field(default=500, gt=0)
     eval_examples: int = Field(default=256, gt=0)
-    checkpoint_every: int = Field(default=500, gt=0)
-    keep_last: int = Field(default=2, gt=0)
-    log_every: int = Field(default=10, gt=0)
-    resume: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -191,9 +212,7 @@ class RewardSection(BaseModel):
     options: dict[str, Any] = {}
 
 
-class PolicyModelSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class PolicyModelSection(ModelRef):
     path: str = "runs/quickstart/sft/model"
 
 
@@ -218,15 +237,10 @@ DISTILL_SAMPLER_DEFAULTS = {"temperature": 0.5}
 DISTILL_OPTIM_DEFAULTS = {"lr": 1e-3, "grad_clip": 1.0, "warmup_steps": 20}
 
 
-class GRPORecipeConfig(BaseModel):
+class GRPORecipeConfig(RunConfig):
     """``diffusion-rl grpo``: GRPO / DAPO / Dr.GRPO on captured token traces."""
 
-    model_config = ConfigDict(extra="forbid")
-
     output_dir: str = "runs/grpo"
-    seed: int = 0
-    device: str = "cpu"
-    threads: int | None = Field(default=None, gt=0)
     task: TaskSection | None = None  # null: the task recorded in the model directory
     model: PolicyModelSection = PolicyModelSection()
     policy: PolicyLossConfig = PolicyLossConfig()
@@ -235,7 +249,6 @@ class GRPORecipeConfig(BaseModel):
     sampler: TokenSamplerConfig = TokenSamplerConfig(**GRPO_SAMPLER_DEFAULTS)
     eval_temperature: float = Field(default=0.0, ge=0.0)
     optim: OptimConfig = OptimConfig(**GRPO_OPTIM_DEFAULTS)
-    steps: int = Field(default=200, gt=0)
     prompts_per_step: int = Field(default=16, gt=0)
     group_size: int = Field(default=8, gt=1)
     micro_batch_size: int | None = Field(default=None, gt=0)
@@ -244,14 +257,8 @@ class GRPORecipeConfig(BaseModel):
     allow_off_policy: bool = False
     sequence_packing: bool = False
     offload_device: str | None = None
-    precision: Literal["fp32", "bf16"] = "fp32"
     activation_checkpointing: bool = False
-    eval_every: int = Field(default=25, gt=0)
     eval_examples: int = Field(default=256, gt=0)
-    checkpoint_every: int = Field(default=50, gt=0)
-    keep_last: int = Field(default=2, gt=0)
-    log_every: int = Field(default=1, gt=0)
-    resume: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -272,28 +279,24 @@ class GRPORecipeConfig(BaseModel):
         return self
 
 
-class TeacherSection(BaseModel):
+class TeacherSection(ModelRef):
     """The teacher: a saved model directory sharing the student's tokenizer (any size)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     path: str = "runs/quickstart/grpo/model"
 
 
-class DistillRecipeConfig(BaseModel):
+class DistillRecipeConfig(RunConfig):
     """``diffusion-rl distill``: on-policy distillation of a student from a teacher.
 
     Every step samples fresh rollouts from the student's current weights (a trace from other
     weights is refused), scores the teacher on exactly the student's states, and trains the
-    student on the soft KL (and optional hard CE) of MATH.md §4.
+    student on the soft KL (and optional hard CE) of docs/math.md §4.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
     output_dir: str = "runs/distill"
-    seed: int = 0
-    device: str = "cpu"
-    threads: int | None = Field(default=None, gt=0)
+    steps: int = Field(default=1000, gt=0)
+    eval_every: int = Field(default=100, gt=0)
+    checkpoint_every: int = Field(default=100, gt=0)
     task: TaskSection | None = None  # null: the task recorded in the student's model directory
     student: PolicyModelSection = PolicyModelSection()
     teacher: TeacherSection = TeacherSection()
@@ -301,19 +304,12 @@ class DistillRecipeConfig(BaseModel):
     sampler: TokenSamplerConfig = TokenSamplerConfig(**DISTILL_SAMPLER_DEFAULTS)
     eval_temperature: float = Field(default=0.0, ge=0.0)
     optim: OptimConfig = OptimConfig(**DISTILL_OPTIM_DEFAULTS)
-    steps: int = Field(default=1000, gt=0)
     prompts_per_step: int = Field(default=32, gt=0)
     samples_per_prompt: int = Field(default=1, gt=0)
     micro_batch_size: int | None = Field(default=None, gt=0)
     post_stop_weight: float = Field(default=1.0, ge=0.0)
-    precision: Literal["fp32", "bf16"] = "fp32"
     activation_checkpointing: bool = False
-    eval_every: int = Field(default=100, gt=0)
     eval_examples: int = Field(default=256, gt=0)
-    checkpoint_every: int = Field(default=100, gt=0)
-    keep_last: int = Field(default=2, gt=0)
-    log_every: int = Field(default=1, gt=0)
-    resume: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -341,11 +337,9 @@ class ImageTaskSection(GenEvalConfig):
         return GenEvalTask(GenEvalConfig(**self.model_dump(exclude={"name"})))
 
 
-class FlowModelSection(BaseModel):
+class FlowModelSection(ModelRef):
     """A new built-in :class:`~diffusion_rl.models.dit.FlowDiT` of this size, or ``path`` to
     a saved FlowDiT directory. Image size and prompt vocabulary come from the task."""
-
-    model_config = ConfigDict(extra="forbid")
 
     path: str | None = None
     patch_size: int = Field(default=4, gt=0)
@@ -367,32 +361,24 @@ FLOW_GRPO_SAMPLER_DEFAULTS = {**FLOW_SAMPLER_DEFAULTS, "mode": "sde"}
 FLOW_GRPO_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
 
 
-class FlowSFTRecipeConfig(BaseModel):
+class FlowSFTRecipeConfig(RunConfig):
     """``diffusion-rl flow-sft``: rectified-flow SFT of the built-in DiT on rendered
     mini-GenEval images, evaluated on held-out prompts with the serving (ODE) sampler."""
 
-    model_config = ConfigDict(extra="forbid")
-
     output_dir: str = "runs/flow_sft"
-    seed: int = 0
-    device: str = "cpu"
-    threads: int | None = Field(default=None, gt=0)
+    steps: int = Field(default=3000, gt=0)
+    eval_every: int = Field(default=500, gt=0)
+    checkpoint_every: int = Field(default=500, gt=0)
+    log_every: int = Field(default=10, gt=0)
     task: ImageTaskSection = ImageTaskSection()
     model: FlowModelSection = FlowModelSection()
     objective: FlowSFTConfig = FlowSFTConfig(**FLOW_SFT_OBJECTIVE_DEFAULTS)
     optim: OptimConfig = OptimConfig()  # recipe defaults: FLOW_SFT_OPTIM_DEFAULTS, over the run
     sampler: FlowSamplerConfig = FlowSamplerConfig(**FLOW_SAMPLER_DEFAULTS)
-    steps: int = Field(default=3000, gt=0)
     batch_size: int = Field(default=64, gt=0)
     micro_batch_size: int | None = Field(default=None, gt=0)
-    precision: Literal["fp32", "bf16"] = "fp32"
-    eval_every: int = Field(default=500, gt=0)
     eval_samples_per_prompt: int = Field(default=4, gt=0)
     grid_images: int = Field(default=16, ge=0)
-    checkpoint_every: int = Field(default=500, gt=0)
-    keep_last: int = Field(default=2, gt=0)
-    log_every: int = Field(default=10, gt=0)
-    resume: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -447,13 +433,11 @@ class ImageRewardSection(RewardSection):
         return self
 
 
-class FlowPolicyModelSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FlowPolicyModelSection(ModelRef):
     path: str = "runs/flow_sft/model"
 
 
-class FlowGRPORecipeConfig(BaseModel):
+class FlowGRPORecipeConfig(RunConfig):
     """``diffusion-rl flow-grpo``: Flow-GRPO on captured SDE rollouts of a flow model.
 
     ``policy`` holds the objective's options: advantages per prompt group or with the batch
@@ -466,32 +450,20 @@ class FlowGRPORecipeConfig(BaseModel):
     and evaluate and save it.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
     output_dir: str = "runs/flow_grpo"
-    seed: int = 0
-    device: str = "cpu"
-    threads: int | None = Field(default=None, gt=0)
     task: ImageTaskSection | None = None  # null: the task recorded in the model directory
     model: FlowPolicyModelSection = FlowPolicyModelSection()
     policy: FlowGRPOConfig = FlowGRPOConfig()
     rewards: list[ImageRewardSection] = [ImageRewardSection()]
     sampler: FlowSamplerConfig = FlowSamplerConfig(**FLOW_GRPO_SAMPLER_DEFAULTS)
     optim: OptimConfig = OptimConfig(**FLOW_GRPO_OPTIM_DEFAULTS)
-    steps: int = Field(default=200, gt=0)
     prompts_per_step: int = Field(default=4, gt=0)
     group_size: int = Field(default=16, gt=1)
     ema_decay: float | None = Field(default=None, gt=0.0, lt=1.0)
     allow_off_policy: bool = False
     offload_device: str | None = None
-    precision: Literal["fp32", "bf16"] = "fp32"
-    eval_every: int = Field(default=25, gt=0)
     eval_samples_per_prompt: int = Field(default=4, gt=0)
     grid_images: int = Field(default=16, ge=0)
-    checkpoint_every: int = Field(default=50, gt=0)
-    keep_last: int = Field(default=2, gt=0)
-    log_every: int = Field(default=1, gt=0)
-    resume: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -8,9 +8,13 @@ that names the field, what was expected and what was found.
   ``target_ids[b, i]``; nothing downstream shifts.
 * :func:`validate_diffusion_logits` — the scorer-boundary check on ``[B, L, V]`` logits.
 * :class:`WeightedMetric` / :class:`LossOutput` — a loss is a *sum* and a *denominator*, so
-  micro-batches normalise once by the global denominator (MATH.md §2).
+  micro-batches normalise once by the global denominator (docs/math.md §2).
 * :class:`DiffusionDistillationBatch` — a student batch plus the teacher's logits aligned to
-  it slot for slot (MATH.md §4).
+  it slot for slot (docs/math.md §4).
+* :class:`FlowStepBatch` — the flow world's training batch: the rows of one sampler forward
+  group at one SDE step (docs/math.md §5).
+* :class:`Extreme` — an aux metric reduced by max or min over micro-batches (a true extreme,
+  not a mean of per-micro-batch extremes).
 """
 
 from __future__ import annotations
@@ -24,12 +28,18 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "Conditioning",
     "DiffusionDistillationBatch",
     "DiffusionTokenBatch",
+    "Extreme",
+    "FlowStepBatch",
     "LossOutput",
     "WeightedMetric",
     "validate_diffusion_logits",
 ]
+
+Conditioning = dict[str, torch.Tensor]
+"""Prompt conditioning of a velocity model: named batch-first tensors ``[B, ...]``."""
 
 _WEIGHT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -324,11 +334,29 @@ class WeightedMetric:
 
 
 @dataclass(frozen=True)
+class Extreme:
+    """A diagnostic reduced over micro-batches by ``kind`` (``"max"`` or ``"min"``)."""
+
+    value: torch.Tensor | float
+    kind: str = "max"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("max", "min"):
+            raise ValueError(f"Extreme.kind: expected 'max' or 'min', got {self.kind!r}")
+        value = self.value
+        if isinstance(value, bool) or not isinstance(value, (torch.Tensor, int, float)):
+            raise TypeError(f"Extreme.value: expected a scalar, got {type(value).__name__}")
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"Extreme.value: expected a scalar, got shape {tuple(value.shape)}")
+
+
+@dataclass(frozen=True)
 class LossOutput:
     """What every objective returns: the differentiated weighted loss plus diagnostics.
 
-    ``aux_metrics`` values are :class:`WeightedMetric` (reduced globally) or plain scalars
-    (reduced by mean); one key must keep one kind across micro-batches.
+    ``aux_metrics`` values are :class:`WeightedMetric` (reduced globally), :class:`Extreme`
+    (reduced by max / min) or plain scalars (reduced by mean); one key must keep one kind
+    across micro-batches.
     """
 
     primary: WeightedMetric
@@ -344,21 +372,21 @@ class LossOutput:
                 f"LossOutput.aux_metrics: expected a mapping, got {type(self.aux_metrics).__name__}"
             )
         for key, value in self.aux_metrics.items():
-            if isinstance(value, WeightedMetric):
+            if isinstance(value, (WeightedMetric, Extreme)):
                 continue
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 continue
             raise TypeError(
-                f"LossOutput.aux_metrics[{key!r}]: expected a WeightedMetric or a scalar, "
+                f"LossOutput.aux_metrics[{key!r}]: expected a WeightedMetric, an Extreme or a scalar, "
                 f"got {type(value).__name__}"
             )
 
 
 @dataclass(frozen=True)
 class DiffusionDistillationBatch:
-    """A student batch and the teacher's logits at the very same states (MATH.md §4).
+    """A student batch and the teacher's logits at the very same states (docs/math.md §4).
 
     * ``student_batch``: a :class:`DiffusionTokenBatch` (B rows, L slots); its weights say
       which slots are trained.
@@ -471,4 +499,43 @@ pytree.register_pytree_node(
     _flatten_distill,
     _unflatten_distill,
     serialized_type_name="diffusion_rl.contracts.DiffusionDistillationBatch",
+)
+
+
+@dataclass(frozen=True)
+class FlowStepBatch:
+    """One replay forward of a flow trace: the rows of one sampler forward group at SDE step
+    ``step`` (from :meth:`~diffusion_rl.trace.FlowTrace.prepare`).
+
+    * ``latents`` / ``next_latents`` ``[b, *latent]``: ``trace.latents[rows, k]`` and
+      ``[rows, k + 1]`` exactly as stored (the sampler's dtype)
+    * ``sigma`` / ``sigma_next`` float32 ``[b]``; ``cond`` / ``uncond`` (None without CFG)
+    * ``behaviour_logprobs`` float32 ``[b]``; ``rows`` long ``[b]`` (indices into the trace)
+    * training inputs: ``advantages [b]`` and ``weights [b]`` (from the rollout), and, filled
+      by the learner, ``old_logprobs [b]`` (start-of-step snapshot, μ > 1) and
+      ``ref_means [b, *latent]`` (the reference's step means, β > 0)
+
+    Registered as a pytree, so the trainer moves every tensor to its device.
+    """
+
+    step: int
+    rows: torch.Tensor
+    latents: torch.Tensor
+    next_latents: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    cond: Conditioning
+    uncond: Conditioning | None
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_means: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+
+pytree.register_dataclass(
+    FlowStepBatch, serialized_type_name="diffusion_rl.contracts.FlowStepBatch"
 )

@@ -3,13 +3,13 @@
 An *operation* (``"token_sample_step"``, ``"token_logprobs"``, ...) has one reference
 implementation and any number of alternatives, each under a stable id. Samplers stamp the ids
 they used into the trace; replay looks each one up by that id and refuses, naming it, when it
-is unavailable (PITFALLS.md: implicit pinning is checked by nothing).
+is unavailable (docs/pitfalls.md, "Implicit kernel pinning").
 
-Token operations (MATH.md §1.2–1.3). ``logits`` are float32 ``[..., V]`` with the MASK logit
+Token operations (docs/math.md §1.2–1.3). ``logits`` are float32 ``[..., V]`` with the MASK logit
 already at -inf. The *scoring temperature* is ``T`` for ``T > 0`` and 1 for greedy (``T = 0``)
 decoding, so a greedy trace still has finite behaviour log-probs.
 
-Flow operations (MATH.md §5): ``flow_ode_step`` and ``flow_sde_step`` (the SDE step with its
+Flow operations (docs/math.md §5): ``flow_ode_step`` and ``flow_sde_step`` (the SDE step with its
 log-prob, variants ``flow_grpo`` / ``constant`` / ``cps``), in the section at the end.
 """
 
@@ -76,9 +76,6 @@ class KernelTable:
             if kernel.op == op and kernel.reference and device_type in kernel.devices:
                 return kernel
         raise KernelUnavailableError(f"no reference kernel for operation {op!r} on {device_type}")
-
-    def ops(self) -> list[str]:
-        return sorted({k.op for k in self._by_id.values()})
 
     def implementations(self, op: str) -> list[Kernel]:
         """Every registered kernel of ``op``, the reference first."""
@@ -155,7 +152,7 @@ KERNELS.register(
 
 
 # ---------------------------------------------------------------------------------------------
-# Flow-matching steps (MATH.md §5)
+# Flow-matching steps (docs/math.md §5)
 # ---------------------------------------------------------------------------------------------
 #
 # Convention: x_σ = (1 − σ) x0 + σ ε, velocity v = ε − x0, so x̂0 = x − σ v and
@@ -170,7 +167,7 @@ KERNELS.register(
 # * ``"flow_grpo"``: std = a √(σ / (1 − σ̃)), σ̃ = σ_next when σ == 1 else σ — the first sigma
 #   below 1 (σ_next of the σ = 1 step) replaces σ *in the denominator only*, so the first step
 #   is finite and on the scale of its input (clamping σ to 0.9999 instead makes std ≈ 100 a and
-#   multiplies the latent by ≈ −100: PITFALLS.md). The reverse-time SDE with diffusion
+#   multiplies the latent by ≈ −86: docs/pitfalls.md, "Clamped σ at the first SDE step"). The reverse-time SDE with diffusion
 #   coefficient ``std`` discretised by Euler–Maruyama, using the score −ε̂/σ of x_σ given x̂0:
 #       μ = x (1 + std² Δt / (2σ)) + v (1 + std² (1 − σ) / (2σ)) Δt,   s = std √(−Δt).
 # * ``"constant"`` (DanceGRPO): the same μ with a constant std = η (``noise_level``).

@@ -1,99 +1,41 @@
-"""Rollouts for policy optimisation: G captured samples per prompt, rewards, advantages.
+"""The one rollout collector: captured samples of G members per prompt, rewards, advantages.
 
-A rollout is the serving sampler with capture on, run by the *rollout weights* (whose
-version every trace carries). :func:`collect_rollouts` returns a :class:`RolloutBatch`: the
-merged trace, the prepared :class:`~diffusion_rl.contracts.DiffusionTokenBatch` whose
-``model_inputs`` also carry ``advantages [B]`` and ``behaviour_logprobs [B, L]`` (so every
-micro-batch slice keeps them aligned), the rewards and the decoded texts.
+A rollout is the serving sampler with capture on, run by the *rollout weights* (whose version
+every trace carries). :func:`collect_rollout` works for both worlds through a small
+*source* that knows how to sample one world (:class:`TokenSource`: a token denoiser on a text
+task; :class:`FlowSource`: a velocity model on an image task):
 
-DAPO's dynamic sampling is implemented here: groups whose rewards are all equal carry no
-signal and are dropped; further prompts are sampled until the batch holds the requested
-number of groups (or ``max_sampling_rounds`` is reached, which is reported).
+1. the train prompts ``start_prompt, ...`` each get ``group_size`` samples with seeds
+   :func:`rollout_seed` (a function of the run seed, the prompt position and the member, so
+   the stream does not depend on batch composition);
+2. ``reward_fn(outputs, examples)`` scores them (texts or images), plus optional reward
+   shaping (e.g. DAPO's :class:`~diffusion_rl.advantages.OverlongShaping`);
+3. with ``dynamic_sampling`` (DAPO), groups whose rewards are all equal carry no signal and
+   are dropped; further prompts are sampled until the batch holds ``num_prompts`` groups or
+   ``max_sampling_rounds`` is reached (``stats['rollout/groups_short']`` says by how much);
+4. advantages per group (:func:`~diffusion_rl.advantages.group_advantages`) when an
+   :class:`~diffusion_rl.advantages.AdvantageSpec` is given.
+
+The result is one :class:`Rollout` value; the learner trains on it
+(:meth:`~diffusion_rl.train.learner.PolicyLearner.step`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-from .contracts import DiffusionTokenBatch
-from .objectives.grpo import PolicyLossConfig, group_advantages, overlong_penalty
+from .advantages import AdvantageSpec, group_advantages
+from .sampling.flow import FlowSamplerConfig, sample_flow
 from .sampling.token import TokenSamplerConfig, sample_tokens
-from .trace import TokenTrace
+from .trace import FlowTrace, TokenTrace
 
 _SEED_MIX = 1_000_003
 
-
-@dataclass(frozen=True)
-class RolloutBatch:
-    """``B = groups × group_size`` rows, consecutive rows of a group share a prompt."""
-
-    trace: TokenTrace | None
-    batch: DiffusionTokenBatch
-    rewards: torch.Tensor  # float32 [B], after shaping
-    texts: list[str]
-    examples: list[Any]
-    group_size: int
-    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        size = self.batch.batch_size
-        sizes = {
-            "rewards": self.rewards.shape[0],
-            "texts": len(self.texts),
-            "examples": len(self.examples),
-        }
-        if self.trace is not None:
-            sizes["trace"] = len(self.trace)
-        for name, value in sizes.items():
-            if value != size:
-                raise ValueError(
-                    f"RolloutBatch.{name}: expected {size} rows (the batch), got {value}"
-                )
-        if size % self.group_size:
-            raise ValueError(
-                f"RolloutBatch: {size} rows is not a multiple of group_size={self.group_size}"
-            )
-
-
-def merge_rollouts(parts: Sequence[RolloutBatch]) -> RolloutBatch:
-    """Concatenate rollout micro-batches with strict checks: all or none carry a trace, equal
-    group sizes and batch structures, and (through the trace) one sampler setting."""
-    if not parts:
-        raise ValueError("merge_rollouts: expected at least one rollout batch, got none")
-    with_trace = [p.trace is not None for p in parts]
-    if any(with_trace) and not all(with_trace):
-        raise ValueError(
-            f"merge_rollouts: rollout batches {[i for i, t in enumerate(with_trace) if not t]} carry "
-            "no trace while others do; a diffusion batch is scored from its trace"
-        )
-    spec = pytree.tree_structure(parts[0].batch)
-    for k, part in enumerate(parts[1:], start=1):
-        if part.group_size != parts[0].group_size:
-            raise ValueError(
-                f"merge_rollouts: batch {k} has group_size {part.group_size}, batch 0 {parts[0].group_size}"
-            )
-        if pytree.tree_structure(part.batch) != spec:
-            raise ValueError(f"merge_rollouts: batch {k} has a different structure of model inputs")
-        if set(part.reward_parts) != set(parts[0].reward_parts):
-            raise ValueError(f"merge_rollouts: batch {k} has rewards {sorted(part.reward_parts)}")
-    return RolloutBatch(
-        trace=TokenTrace.concat([p.trace for p in parts]) if all(with_trace) else None,
-        batch=DiffusionTokenBatch.concat([p.batch for p in parts]),
-        rewards=torch.cat([p.rewards for p in parts]),
-        texts=[t for p in parts for t in p.texts],
-        examples=[e for p in parts for e in p.examples],
-        group_size=parts[0].group_size,
-        reward_parts={
-            k: torch.cat([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts
-        },
-        stats={},
-    )
+Outputs = list[str] | torch.Tensor  # decoded texts, or images [B, C, H, W] float32 in [0, 1]
 
 
 def rollout_seed(seed: int, prompt_index: int, member: int) -> int:
@@ -101,154 +43,234 @@ def rollout_seed(seed: int, prompt_index: int, member: int) -> int:
     return (seed * _SEED_MIX + prompt_index) * 64 + member
 
 
-def sample_groups(
-    model,
-    task,
-    reward_fn: Callable[[list[str], list[Any]], Any],
-    prompt_indices: Sequence[int],
-    *,
-    group_size: int,
-    sampler: TokenSamplerConfig,
-    policy: PolicyLossConfig,
-    post_stop_weight: float,
-    weights_version: int,
-    seed: int,
-) -> RolloutBatch:
-    """One captured rollout of ``group_size`` samples for each train prompt index."""
-    examples = [task.example(i, "train") for i in prompt_indices for _ in range(group_size)]
-    data = task.encode(examples)
-    seeds = [rollout_seed(seed, i, g) for i in prompt_indices for g in range(group_size)]
-    sample = sample_tokens(
-        model,
-        data["prompt_ids"],
-        data["prompt_mask"],
-        sampler,
-        seeds=seeds,
-        stop_token_id=task.tokenizer.eos_id,
-        capture=True,
-        weights_version=weights_version,
-    )
-    trace = sample.trace
-    texts = task.tokenizer.batch_decode(trace.tokens)
-    scored = reward_fn(texts, examples)
-    rewards, parts = scored.total, dict(scored.parts)
-    if policy.overlong_buffer_tokens:
-        shaping = overlong_penalty(
-            trace.lengths(),
-            policy.overlong_max_tokens or sampler.generation_length,
-            policy.overlong_buffer_tokens,
-            policy.overlong_penalty,
+@dataclass(frozen=True)
+class Rollout:
+    """``B = groups × group_size`` rows; consecutive rows of a group share a prompt.
+
+    ``trace`` (a :class:`TokenTrace` or :class:`FlowTrace`), ``outputs`` (what was
+    generated), ``examples`` (the task examples answered), ``rewards [B]`` float32 after
+    shaping, ``advantages [B]`` float32 (None when none were asked for), ``reward_parts``
+    (each named reward term ``[B]``), ``stats`` (what the rollout looked like).
+    """
+
+    trace: TokenTrace | FlowTrace
+    outputs: Outputs
+    examples: list[Any]
+    rewards: torch.Tensor
+    advantages: torch.Tensor | None
+    group_size: int
+    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        size = len(self.trace)
+        sizes = {"outputs": len(self.outputs), "examples": len(self.examples)}
+        sizes["rewards"] = self.rewards.shape[0]
+        if self.advantages is not None:
+            sizes["advantages"] = self.advantages.shape[0]
+        sizes.update({f"reward_parts[{k!r}]": v.shape[0] for k, v in self.reward_parts.items()})
+        for name, value in sizes.items():
+            if value != size:
+                raise ValueError(f"Rollout.{name}: expected {size} rows (the trace), got {value}")
+        if self.group_size < 1 or size % self.group_size:
+            raise ValueError(
+                f"Rollout: {size} rows is not a multiple of group_size={self.group_size}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.trace)
+
+    def rows(self, index: torch.Tensor) -> Rollout:
+        """The rows ``index`` (long tensor), every field sliced alike."""
+        return replace(
+            self,
+            trace=self.trace.rows(index),
+            outputs=_take(self.outputs, index),
+            examples=[self.examples[i] for i in index.tolist()],
+            rewards=self.rewards[index],
+            advantages=None if self.advantages is None else self.advantages[index],
+            reward_parts={k: v[index] for k, v in self.reward_parts.items()},
         )
-        parts["overlong"] = shaping
-        rewards = rewards + shaping
-    advantages = group_advantages(
-        rewards, group_size, mode=policy.advantage, ddof=policy.std_ddof, eps=policy.std_eps
-    )
-    prepared = trace.prepare(post_stop_weight)
-    batch = DiffusionTokenBatch(
-        {
-            **prepared.model_inputs,
-            "advantages": advantages,
-            "behaviour_logprobs": trace.behaviour_logprobs,
-        },
-        prepared.target_ids,
-        prepared.loss_weights,
-    )
-    return RolloutBatch(trace, batch, rewards, texts, examples, group_size, parts)
 
-
-def _keep_groups(rollout: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:
-    rows = keep.repeat_interleave(rollout.group_size).nonzero().squeeze(1)
-    index = rows.tolist()
-    trace = rollout.trace
-    kept_trace = None
-    if trace is not None:
-        kept_trace = TokenTrace(
-            **{
-                name: getattr(trace, name)[rows]
-                if isinstance(getattr(trace, name), torch.Tensor)
-                else getattr(trace, name)
-                for name in trace.__dataclass_fields__
-            }
+    @staticmethod
+    def concat(parts: Sequence[Rollout]) -> Rollout:
+        """Rows of several rollouts of one step: equal group sizes and reward terms; the traces
+        must agree on settings, kernels and version (checked by the trace's ``concat``)."""
+        if not parts:
+            raise ValueError("Rollout.concat: expected at least one rollout, got none")
+        first = parts[0]
+        for k, part in enumerate(parts[1:], start=1):
+            if part.group_size != first.group_size:
+                raise ValueError(
+                    f"Rollout.concat: rollout {k} has group_size {part.group_size}, "
+                    f"rollout 0 {first.group_size}"
+                )
+            if set(part.reward_parts) != set(first.reward_parts):
+                raise ValueError(
+                    f"Rollout.concat: rollout {k} has rewards {sorted(part.reward_parts)}"
+                )
+            if (part.advantages is None) != (first.advantages is None):
+                raise ValueError(f"Rollout.concat: rollout {k} disagrees on having advantages")
+        return Rollout(
+            trace=type(first.trace).concat([p.trace for p in parts]),
+            outputs=_cat([p.outputs for p in parts]),
+            examples=[e for p in parts for e in p.examples],
+            rewards=torch.cat([p.rewards for p in parts]),
+            advantages=None
+            if first.advantages is None
+            else torch.cat([p.advantages for p in parts]),
+            group_size=first.group_size,
+            reward_parts={
+                k: torch.cat([p.reward_parts[k] for p in parts]) for k in first.reward_parts
+            },
         )
-    return RolloutBatch(
-        kept_trace,
-        rollout.batch[rows],
-        rollout.rewards[rows],
-        [rollout.texts[i] for i in index],
-        [rollout.examples[i] for i in index],
-        rollout.group_size,
-        {k: v[rows] for k, v in rollout.reward_parts.items()},
+
+
+def _take(outputs: Outputs, index: torch.Tensor) -> Outputs:
+    return (
+        outputs[index]
+        if isinstance(outputs, torch.Tensor)
+        else [outputs[i] for i in index.tolist()]
     )
 
 
-def collect_rollouts(
+def _cat(parts: Sequence[Outputs]) -> Outputs:
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(list(parts))
+    return [o for part in parts for o in part]
+
+
+# --------------------------------------------------------------------------------- sources
+class TokenSource:
+    """The token world: ``task`` prompts → :class:`TokenTrace` and decoded completions."""
+
+    def __init__(self, task, sampler: TokenSamplerConfig) -> None:
+        self.task = task
+        self.sampler = sampler
+
+    def sample(self, model, examples, seeds, weights_version: int) -> tuple[TokenTrace, list[str]]:
+        data = self.task.encode(examples)
+        trace = sample_tokens(
+            model,
+            data["prompt_ids"],
+            data["prompt_mask"],
+            self.sampler,
+            seeds=seeds,
+            stop_token_id=self.task.tokenizer.eos_id,
+            capture=True,
+            weights_version=weights_version,
+        ).trace
+        return trace, self.task.tokenizer.batch_decode(trace.tokens)
+
+    def stats(self, rollout: Rollout) -> dict[str, float]:
+        return {
+            "rollout/accuracy": float(self.task.rewards(rollout.outputs, rollout.examples).mean()),
+            "rollout/mean_length": float(rollout.trace.lengths().float().mean()),
+        }
+
+
+class FlowSource:
+    """The flow world: ``task`` prompts → :class:`FlowTrace` and images (float32 ``[0, 1]``).
+
+    ``group_size`` tells the sampler which rows form a group (shared start noise when the
+    sampler config asks for it)."""
+
+    def __init__(self, task, sampler: FlowSamplerConfig, group_size: int) -> None:
+        self.task = task
+        self.sampler = sampler
+        self.group_size = group_size
+
+    def sample(
+        self, model, examples, seeds, weights_version: int
+    ) -> tuple[FlowTrace, torch.Tensor]:
+        sample = sample_flow(
+            model,
+            [e.prompt for e in examples],
+            self.sampler,
+            seeds=seeds,
+            capture=True,
+            weights_version=weights_version,
+            group_size=self.group_size,
+        )
+        return sample.trace, sample.images.float()
+
+    def stats(self, rollout: Rollout) -> dict[str, float]:
+        correct = self.task.rewards(rollout.outputs, rollout.examples, mode="all")
+        return {"rollout/accuracy": float(correct.mean())}
+
+
+# ------------------------------------------------------------------------------ collector
+def collect_rollout(
     model,
-    task,
-    reward_fn,
+    source: TokenSource | FlowSource,
+    reward_fn: Callable[[Outputs, list[Any]], Any],
     *,
     start_prompt: int,
     num_prompts: int,
     group_size: int,
-    sampler: TokenSamplerConfig,
-    policy: PolicyLossConfig,
-    post_stop_weight: float = 1.0,
     weights_version: int,
     seed: int,
-    max_sampling_rounds: int = 4,
-) -> tuple[RolloutBatch, int]:
-    """Sample ``num_prompts`` groups from train prompts ``start_prompt, ...``; returns the
-    rollout and the next prompt position. With dynamic sampling, zero-variance groups are
-    dropped and refilled from the following prompts (at most ``max_sampling_rounds`` rounds;
-    if still short, the batch is smaller and ``stats['groups_short']`` says by how much)."""
-    position = start_prompt
-    kept: list[RolloutBatch] = []
-    have, sampled_groups, rounds = 0, 0, 0
-    sampled_rewards = []
-    while have < num_prompts and rounds < (max_sampling_rounds if policy.dynamic_sampling else 1):
+    advantage: AdvantageSpec | None = None,
+    shaping: Callable[[TokenTrace | FlowTrace], torch.Tensor] | None = None,
+    dynamic_sampling: bool = False,
+    max_sampling_rounds: int = 1,
+) -> tuple[Rollout, int]:
+    """Sample ``num_prompts`` groups from train prompts ``start_prompt, ...`` with ``model``
+    (the rollout weights, at ``weights_version``); returns the rollout and the next prompt
+    position (see the module doc). ``shaping(trace) -> [B]`` is added to the rewards under
+    its ``name``."""
+    position, have, sampled_groups, rounds = start_prompt, 0, 0, 0
+    kept: list[Rollout] = []
+    sampled: list[torch.Tensor] = []
+    while have < num_prompts and rounds < (max_sampling_rounds if dynamic_sampling else 1):
         need = num_prompts - have
-        indices = list(range(position, position + need))
+        indices = range(position, position + need)
         position += need
-        rollout = sample_groups(
-            model,
-            task,
-            reward_fn,
-            indices,
-            group_size=group_size,
-            sampler=sampler,
-            policy=policy,
-            post_stop_weight=post_stop_weight,
-            weights_version=weights_version,
-            seed=seed,
-        )
+        examples = [source.task.example(i, "train") for i in indices for _ in range(group_size)]
+        seeds = [rollout_seed(seed, i, g) for i in indices for g in range(group_size)]
+        trace, outputs = source.sample(model, examples, seeds, weights_version)
+        scored = reward_fn(outputs, examples)
+        rewards, parts = scored.total, dict(scored.parts)
+        if shaping is not None:
+            parts[shaping.name] = shaping(trace)
+            rewards = rewards + parts[shaping.name]
+        part = Rollout(trace, outputs, examples, rewards, None, group_size, parts)
         sampled_groups += need
         rounds += 1
-        sampled_rewards.append(rollout.rewards)
-        if policy.dynamic_sampling:
-            spread = rollout.rewards.view(-1, group_size)
-            informative = (spread.max(1).values - spread.min(1).values) > 0
+        sampled.append(rewards)
+        if dynamic_sampling:
+            groups = rewards.view(-1, group_size)
+            informative = (groups.max(1).values - groups.min(1).values) > 0
             if not bool(informative.any()):
                 continue
-            rollout = _keep_groups(rollout, informative)
+            part = part.rows(informative.repeat_interleave(group_size).nonzero().squeeze(1))
             have += int(informative.sum())
         else:
             have += need
-        kept.append(rollout)
+        kept.append(part)
     if not kept:
         raise RuntimeError(
             f"dynamic sampling: all {sampled_groups} sampled groups had equal rewards in "
             f"{rounds} rounds; raise max_sampling_rounds or the sampling temperature"
         )
-    merged = merge_rollouts(kept)
-    merged_rewards = torch.cat(sampled_rewards)
+    rollout = Rollout.concat(kept)
+    if advantage is not None:
+        rollout = replace(
+            rollout, advantages=group_advantages(rollout.rewards, group_size, advantage)
+        )
+    all_rewards = torch.cat(sampled)
+    groups = all_rewards.view(-1, group_size)
     stats = {
-        "rollout/reward_mean": float(merged_rewards.mean()),
+        "rollout/reward_mean": float(all_rewards.mean()),
+        "rollout/reward_std": float(all_rewards.std(correction=0)),
+        "rollout/flat_groups": float((groups.max(1).values == groups.min(1).values).float().mean()),
         "rollout/groups_sampled": float(sampled_groups),
-        "rollout/groups_kept": float(merged.batch.batch_size // group_size),
-        "rollout/groups_short": float(max(0, num_prompts - merged.batch.batch_size // group_size)),
-        "rollout/mean_length": float(merged.trace.lengths().float().mean())
-        if merged.trace is not None
-        else 0.0,
-        "rollout/advantage_abs_mean": float(merged.batch.model_inputs["advantages"].abs().mean()),
+        "rollout/groups_kept": float(len(rollout) // group_size),
+        "rollout/groups_short": float(max(0, num_prompts - len(rollout) // group_size)),
     }
-    return RolloutBatch(**{**merged.__dict__, "stats": stats}), position
+    if rollout.advantages is not None:
+        stats["rollout/advantage_abs_mean"] = float(rollout.advantages.abs().mean())
+    if len(rollout.reward_parts) > 1:
+        stats.update({f"rollout/{k}": float(v.mean()) for k, v in rollout.reward_parts.items()})
+    stats.update(source.stats(rollout))
+    return replace(rollout, stats=stats), position

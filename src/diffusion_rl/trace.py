@@ -1,14 +1,18 @@
 """What a token rollout records, and how it becomes a scorable batch.
 
 Committed tokens never change, so the canvas the sampler saw at step ``s`` is a pure function
-of the final tokens ``x`` and the per-slot commit steps ``a`` (MATH.md §1.2):
+of the final tokens ``x`` and the per-slot commit steps ``a`` (docs/math.md §1.2):
 ``c_s = prompt ⊕ [x_i if 0 <= a_i < s else MASK]``. Slots the sampler never sampled (a row
 stopped early) have ``a_i = -1``: they were MASK in every canvas, are filled with the stop
 token in the returned text, and are never actions.
 
-A flow rollout (:class:`FlowTrace`, MATH.md §5) records every latent the sampler continued
+A flow rollout (:class:`FlowTrace`, docs/math.md §5) records every latent the sampler continued
 from, so step ``k`` of a row is scored as ``log p(latents[k+1] | latents[k])`` by replaying one
-velocity forward; :meth:`FlowTrace.step_batches` cuts it into :class:`FlowStepBatch` units.
+velocity forward; :meth:`FlowTrace.prepare` cuts it into
+:class:`~diffusion_rl.contracts.FlowStepBatch` units.
+
+Both traces turn into training batches the same way: ``trace.prepare(...)`` gives the batch
+type of its world (defined in :mod:`diffusion_rl.contracts`), advantages included when given.
 """
 
 from __future__ import annotations
@@ -18,10 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-from .contracts import DiffusionTokenBatch
-from .models.protocol import Conditioning
+from .contracts import Conditioning, DiffusionTokenBatch, FlowStepBatch
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,25 @@ class TokenTrace:
             model_info=first.model_info,
         )
 
+    def rows(self, index: slice | torch.Tensor | Sequence[int]) -> TokenTrace:
+        """The rows ``index`` (slice, index tensor or bool mask); settings unchanged."""
+        if not isinstance(index, (slice, torch.Tensor)):
+            index = torch.tensor([int(i) for i in index], dtype=torch.long)
+        return replace(
+            self,
+            **{
+                name: getattr(self, name)[index]
+                for name in (
+                    "prompt_ids",
+                    "prompt_mask",
+                    "tokens",
+                    "commit_steps",
+                    "behaviour_logprobs",
+                    "seeds",
+                )
+            },
+        )
+
     def lengths(self) -> torch.Tensor:
         """Long ``[B]``: tokens up to and including the first stop token (L if none)."""
         length = self.tokens.shape[1]
@@ -116,12 +137,16 @@ class TokenTrace:
         first = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, length)
         return first.long()
 
-    def prepare(self, post_stop_weight: float = 1.0) -> DiffusionTokenBatch:
+    def prepare(
+        self, post_stop_weight: float = 1.0, *, advantages: torch.Tensor | None = None
+    ) -> DiffusionTokenBatch:
         """The batch the learner scores: every sampled slot is an action (weight 1), slots after
         the stop token weigh ``post_stop_weight`` (1 = full trace), unsampled slots 0.
 
         ``model_inputs``: ``prompt_ids``, ``prompt_mask``, ``completion_ids``,
-        ``commit_steps``; ``target_ids`` = tokens (-1 on unsampled slots).
+        ``commit_steps``; with ``advantages [B]`` also ``advantages`` and
+        ``behaviour_logprobs [B, L]`` (the training inputs of a policy loss, kept row-aligned
+        by every slice); ``target_ids`` = tokens (-1 on unsampled slots).
         """
         if not (post_stop_weight >= 0):
             raise ValueError(
@@ -129,20 +154,24 @@ class TokenTrace:
             )
         weights = self.sampled.float()
         weights = torch.where(self.post_stop(), torch.full_like(weights, post_stop_weight), weights)
+        inputs = {
+            "prompt_ids": self.prompt_ids,
+            "prompt_mask": self.prompt_mask,
+            "completion_ids": self.tokens,
+            "commit_steps": self.commit_steps,
+        }
+        if advantages is not None:
+            inputs["advantages"] = advantages
+            inputs["behaviour_logprobs"] = self.behaviour_logprobs
         return DiffusionTokenBatch(
-            model_inputs={
-                "prompt_ids": self.prompt_ids,
-                "prompt_mask": self.prompt_mask,
-                "completion_ids": self.tokens,
-                "commit_steps": self.commit_steps,
-            },
+            model_inputs=inputs,
             target_ids=torch.where(self.sampled, self.tokens, torch.full_like(self.tokens, -1)),
             loss_weights=weights,
         )
 
 
 # ---------------------------------------------------------------------------------------------
-# Flow-matching rollouts (MATH.md §5)
+# Flow-matching rollouts (docs/math.md §5)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -164,52 +193,17 @@ def _take(cond: Conditioning | None, index) -> Conditioning | None:
 
 
 @dataclass(frozen=True)
-class FlowStepBatch:
-    """One replay forward: the rows of one sampler forward group at one SDE step ``k``.
-
-    * ``latents`` / ``next_latents`` ``[b, *latent]``: ``trace.latents[rows, k]`` and
-      ``[rows, k + 1]`` exactly as stored (the sampler's dtype)
-    * ``sigma`` / ``sigma_next`` float32 ``[b]``; ``cond`` / ``uncond`` (None without CFG)
-    * ``behaviour_logprobs`` float32 ``[b]``; ``rows`` long ``[b]`` (indices into the trace)
-    * training inputs filled by the learner: ``advantages [b]``, ``weights [b]``,
-      ``old_logprobs [b]`` (start-of-step snapshot, μ > 1), ``ref_means [b, *latent]`` (β > 0)
-
-    Registered as a pytree, so the trainer moves every tensor to its device.
-    """
-
-    step: int
-    rows: torch.Tensor
-    latents: torch.Tensor
-    next_latents: torch.Tensor
-    sigma: torch.Tensor
-    sigma_next: torch.Tensor
-    cond: Conditioning
-    uncond: Conditioning | None
-    behaviour_logprobs: torch.Tensor
-    advantages: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
-    old_logprobs: torch.Tensor | None = None
-    ref_means: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.latents.shape[0]
-
-
-pytree.register_dataclass(FlowStepBatch, serialized_type_name="diffusion_rl.trace.FlowStepBatch")
-
-
-@dataclass(frozen=True)
 class FlowTrace:
     """A captured flow-matching rollout: B rows, N steps from σ = 1 to σ = 0.
 
     * ``latents`` ``[B, N + 1, *latent_shape]``: ``latents[:, k]`` is *exactly* the tensor the
       sampler fed the model at step k and continued from (its dtype: with a bf16 latent dtype
-      the rounded tensor, PITFALLS.md); ``latents[:, N]`` is the final sample
+      the rounded tensor: docs/pitfalls.md, "Stored latent is not the latent continued from"); ``latents[:, N]`` is the final sample
     * ``sigmas`` float32 ``[N + 1]``: the schedule, ``sigmas[0] = 1``, ``sigmas[N] = 0``
     * ``sde_steps`` bool ``[N]``: steps taken by the SDE kernel (the trainable ones); the
       others (and always the last) are ODE steps
-    * ``logprobs`` float32 ``[B, N]``: behaviour ``log p(latents[:, k+1] | latents[:, k])`` on
-      SDE steps, 0 on ODE steps
+    * ``behaviour_logprobs`` float32 ``[B, N]``: ``log p(latents[:, k+1] | latents[:, k])``
+      under the sampling weights on SDE steps, 0 on ODE steps
     * ``cond`` / ``uncond``: the conditioning the velocity forwards used (``uncond`` None when
       guidance is 1: no CFG); ``prompts`` ``[B]``; ``seeds`` long ``[B]``
     * ``forward_groups`` long ``[B]``: rows with equal id ran their velocity forwards together,
@@ -222,7 +216,7 @@ class FlowTrace:
     latents: torch.Tensor
     sigmas: torch.Tensor
     sde_steps: torch.Tensor
-    logprobs: torch.Tensor
+    behaviour_logprobs: torch.Tensor
     cond: Conditioning
     uncond: Conditioning | None
     prompts: list[str]
@@ -248,10 +242,11 @@ class FlowTrace:
                 f"FlowTrace.sde_steps: expected bool [N={steps}], got {self.sde_steps.dtype} "
                 f"{tuple(self.sde_steps.shape)}"
             )
-        if self.logprobs.dtype != torch.float32 or tuple(self.logprobs.shape) != (rows, steps):
+        logprobs = self.behaviour_logprobs
+        if logprobs.dtype != torch.float32 or tuple(logprobs.shape) != (rows, steps):
             raise ValueError(
-                f"FlowTrace.logprobs: expected float32 [B={rows}, N={steps}], got "
-                f"{self.logprobs.dtype} {tuple(self.logprobs.shape)}"
+                f"FlowTrace.behaviour_logprobs: expected float32 [B={rows}, N={steps}], got "
+                f"{logprobs.dtype} {tuple(logprobs.shape)}"
             )
         for name in ("seeds", "forward_groups"):
             value = getattr(self, name)
@@ -297,10 +292,6 @@ class FlowTrace:
     def __len__(self) -> int:
         return self.latents.shape[0]
 
-    @property
-    def final_latents(self) -> torch.Tensor:
-        return self.latents[:, -1]
-
     def to(self, device: torch.device | str) -> FlowTrace:
         """Every tensor moved to ``device`` (values unchanged: replay parity is kept)."""
 
@@ -310,7 +301,7 @@ class FlowTrace:
         return replace(
             self,
             latents=self.latents.to(device),
-            logprobs=self.logprobs.to(device),
+            behaviour_logprobs=self.behaviour_logprobs.to(device),
             cond=move(self.cond),
             uncond=move(self.uncond),
         )
@@ -330,7 +321,7 @@ class FlowTrace:
         return replace(
             self,
             latents=self.latents[at],
-            logprobs=self.logprobs[at],
+            behaviour_logprobs=self.behaviour_logprobs[at],
             cond=_take(self.cond, at),
             uncond=_take(self.uncond, at),
             prompts=[self.prompts[i] for i in picked],
@@ -385,7 +376,7 @@ class FlowTrace:
         return replace(
             first,
             latents=torch.cat([t.latents for t in traces]),
-            logprobs=torch.cat([t.logprobs for t in traces]),
+            behaviour_logprobs=torch.cat([t.behaviour_logprobs for t in traces]),
             cond=cat_cond("cond"),
             uncond=cat_cond("uncond"),
             prompts=[p for t in traces for p in t.prompts],
@@ -398,15 +389,16 @@ class FlowTrace:
         order = dict.fromkeys(self.forward_groups.tolist())
         return [(self.forward_groups == g).nonzero().flatten() for g in order]
 
-    def step_batches(
+    def prepare(
         self,
         steps: Sequence[int],
         *,
         advantages: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
     ) -> list[FlowStepBatch]:
-        """One :class:`FlowStepBatch` per (forward group, step), group-major; ``steps`` must be
-        SDE steps. ``advantages`` / ``weights`` ``[B]`` are sliced into each batch."""
+        """The batches the learner scores: one :class:`FlowStepBatch` per (forward group, step),
+        group-major; ``steps`` must be SDE steps. ``advantages`` / ``weights`` ``[B]`` are
+        sliced into each batch."""
         sde = self.sde_steps.tolist()
         if len(set(steps)) != len(steps):
             raise ValueError(f"steps: expected distinct steps, got {list(steps)}")
@@ -433,7 +425,7 @@ class FlowTrace:
                         sigma_next=self.sigmas[k + 1].repeat(size),
                         cond=_take(self.cond, rows),
                         uncond=_take(self.uncond, rows),
-                        behaviour_logprobs=self.logprobs[rows, k],
+                        behaviour_logprobs=self.behaviour_logprobs[rows, k],
                         advantages=None if advantages is None else advantages[rows].float(),
                         weights=None if weights is None else weights[rows].float(),
                     )

@@ -1,13 +1,32 @@
-"""Token denoiser protocols and the built-in diffusion transformer."""
+"""Models: the token denoiser and velocity-model protocols, the built-in diffusion transformer
+(token) and FlowDiT (image), their tokenizer, and one loader / writer for model directories
+(:func:`load_model`, :func:`save_model`; see :mod:`.io` for what a directory holds)."""
 
-from .protocol import BlockCachedDenoiser, TokenDenoiser, shift_to_target_aligned
+from .dit import FlowDiT, FlowDiTConfig
+from .io import LoadedModel, load_model, save_model
+from .protocol import (
+    BlockCachedDenoiser,
+    Conditioning,
+    TokenDenoiser,
+    VelocityModel,
+    shift_to_target_aligned,
+)
+from .tokenizer import CharTokenizer
 from .transformer import BlockKVCache, DiffusionTransformer, TransformerConfig
 
 __all__ = [
     "BlockCachedDenoiser",
     "BlockKVCache",
+    "CharTokenizer",
+    "Conditioning",
     "DiffusionTransformer",
+    "FlowDiT",
+    "FlowDiTConfig",
+    "LoadedModel",
     "TokenDenoiser",
     "TransformerConfig",
+    "VelocityModel",
+    "load_model",
+    "save_model",
     "shift_to_target_aligned",
 ]

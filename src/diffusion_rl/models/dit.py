@@ -2,7 +2,7 @@
 
 Implements :class:`~diffusion_rl.models.protocol.VelocityModel`: the latent is the image
 scaled to ``[-1, 1]`` (``latent_shape = (C, S, S)``), ``decode`` maps it back to ``[0, 1]``.
-Convention (MATH.md §5): ``x_σ = (1 - σ) x0 + σ ε``, the network predicts ``v = ε - x0``.
+Convention (docs/math.md §5): ``x_σ = (1 - σ) x0 + σ ε``, the network predicts ``v = ε - x0``.
 
 Architecture (a small DiT): the latent is cut into ``p × p`` patches, each linearly embedded
 with a learned position; the prompt's word tokens (learned embeddings plus a learned slot
@@ -14,8 +14,10 @@ zero-initialised, so a fresh model predicts ``v = 0``.
 Prompts are tokenised by words (lower-cased, split on whitespace) over ``config.vocabulary``:
 id 0 is padding, word ``k`` has id ``k + 1``; ``encode_prompts`` pads every row to
 ``max_prompt_tokens``, so conditional and unconditional (all-padding, ``empty_condition``)
-rows always concatenate for classifier-free guidance. Train with ``drop_condition`` on a
-random subset of rows so that guidance has an unconditional model to push away from.
+rows always concatenate for classifier-free guidance. So that guidance has an unconditional
+model to push away from, train some rows on the null prompt: the flow SFT objective's
+``cond_dropout`` replaces a random subset of rows by ``empty_condition`` rows;
+:meth:`FlowDiT.drop_condition` does the same for a given bool mask.
 
 Invariants: a row's velocity does not depend on its batch mates (every op is per row; padding
 keys are masked); no randomness in the forward (deterministic); ``save_pretrained`` /
@@ -38,11 +40,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from ..tasks.geneval import VOCABULARY
 from .protocol import Conditioning
 
 MODEL_TYPE = "diffusion_rl.flow_dit"
 PAD_ID = 0
+# The words a default FlowDiT embeds (word k has id k + 1, so the order is part of the model):
+# the mini-GenEval prompt words, in the order of the GenEval task's ``VOCABULARY`` (a test
+# checks the two agree; the model package imports no task). A saved model records its own list.
+DEFAULT_VOCABULARY: tuple[str, ...] = (
+    *("a", "on", "at", "in", "the", "one", "two", "three"),
+    *("red", "green", "blue", "yellow"),
+    *("circle", "square", "triangle", "circles", "squares", "triangles"),
+    *("left", "right", "top", "bottom", "center"),
+)
 
 
 class FlowDiTConfig(BaseModel):
@@ -64,7 +74,7 @@ class FlowDiTConfig(BaseModel):
     n_heads: int = Field(default=4, gt=0)
     mlp_ratio: float = Field(default=4.0, gt=0)
     sigma_features: int = Field(default=64, gt=0)
-    vocabulary: tuple[str, ...] = VOCABULARY
+    vocabulary: tuple[str, ...] = DEFAULT_VOCABULARY
     max_prompt_tokens: int = Field(default=8, gt=0)
     norm_eps: float = 1e-6
     task: dict[str, Any] | None = None

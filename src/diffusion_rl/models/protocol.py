@@ -4,7 +4,8 @@ A *canvas* is ``prompt [P] ⊕ completion [L]`` (some completion slots = MASK). 
 it to **target-aligned** logits: ``logits[b, i]`` predicts the token at canvas position ``i``.
 Models that predict position ``i`` from ``i - 1`` (Dream, DiffuCoder, AR-initialised dLLMs)
 are aligned once, in their adapter, with :func:`shift_to_target_aligned`; nothing downstream
-shifts (PITFALLS.md: mixing the two silently scores the wrong token).
+shifts (docs/pitfalls.md, "Shifted versus same-position logits": mixing the two silently
+scores the wrong token).
 
 Attention is ``"bidirectional"`` (LLaDA / MDLM) or ``"block_causal"`` (BD3-LM / SDAR): the
 prompt is block 0, completion slot ``k`` is in block ``1 + k // block_size``; a position sees
@@ -17,6 +18,8 @@ from __future__ import annotations
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
+
+from ..contracts import Conditioning
 
 Alignment = Literal["same_position", "shifted"]
 AttentionKind = Literal["bidirectional", "block_causal"]
@@ -74,19 +77,18 @@ def shift_to_target_aligned(raw_logits: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Flow-matching generators (MATH.md §5)
+# Flow-matching generators (docs/math.md §5)
 # ---------------------------------------------------------------------------------------------
-
-Conditioning = dict[str, torch.Tensor]
-"""Prompt conditioning: every value is batch-first ``[B, ...]`` so that the conditional and
-unconditional halves of classifier-free guidance concatenate along dim 0 into one forward."""
+# Prompt conditioning (:data:`~diffusion_rl.contracts.Conditioning`): every value is batch-first
+# ``[B, ...]`` so that the conditional and unconditional halves of classifier-free guidance
+# concatenate along dim 0 into one forward.
 
 
 @runtime_checkable
 class VelocityModel(Protocol):
     """A flow-matching generator: the trained velocity network plus its frozen encoders.
 
-    Convention (MATH.md §5): ``x_σ = (1 - σ) x0 + σ ε`` and the model predicts
+    Convention (docs/math.md §5): ``x_σ = (1 - σ) x0 + σ ε`` and the model predicts
     ``v = ε - x0``; ``σ = 1`` is pure noise, ``σ = 0`` the clean latent. Adapters of models
     with another timestep convention (diffusers: ``t = 1000 σ``) convert inside ``__call__``.
 

@@ -2,8 +2,8 @@
 
 Pre-norm transformer with learned absolute positions and same-position (target-aligned)
 logits, bidirectional or block-causal attention through SDPA with *float* additive masks
-(PITFALLS.md: bool 4D masks are ignored by some eager kernels; FlexAttention has no CPU
-backward). Block-causal models offer an exact block KV cache for decoding.
+(docs/pitfalls.md, "Boolean 4D attention masks ignored" and "FlexAttention without CPU
+backward"). Block-causal models offer an exact block KV cache for decoding.
 
 Positions: ``position = cumsum(key_mask) - 1`` so left padding of the prompt never shifts
 the positions of real tokens; a row's logits do not depend on how much its batch mates pad.

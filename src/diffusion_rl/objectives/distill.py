@@ -1,6 +1,6 @@
 """On-policy distillation loss: student logits against teacher logits on the same states.
 
-MATH.md §4. For every slot ``i`` with weight ``w_i`` (fractional allowed; a slot is active
+docs/math.md §4. For every slot ``i`` with weight ``w_i`` (fractional allowed; a slot is active
 iff ``w_i != 0``), student logits ``s_i`` and teacher logits ``t_i`` ``[V]`` read at the same
 target-aligned state, and temperature ``T``:
 
@@ -9,7 +9,7 @@ target-aligned state, and temperature ``T``:
     hard_i = −log softmax(s_i)[x_i]               (untempered student logits, x_i = target)
     L      = (α_soft Σ_i w_i soft_i + α_hard Σ_i w_i hard_i) / Σ_i w_i
 
-returned as ``WeightedMetric(sum, Σ w)`` so micro-batches normalise once (MATH.md §2). The T²
+returned as ``WeightedMetric(sum, Σ w)`` so micro-batches normalise once (docs/math.md §2). The T²
 factor keeps the soft gradient's scale independent of ``T`` (∂soft/∂s = T (q − p)).
 
 Invariants:
@@ -69,10 +69,11 @@ def soft_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) ->
 
 
 class DistillationLoss:
-    """``loss(student_logits, batch) -> LossOutput`` for one micro-batch.
+    """``loss(scores, batch) -> LossOutput`` for one micro-batch (the call shape of every
+    on-policy objective).
 
-    ``student_logits`` ``[B, L, V]`` with gradient, read at the same states as
-    ``batch.teacher_logits`` (e.g. both from exact replay of the student's trace); the
+    ``scores.logits`` are the student's ``[B, L, V]`` with gradient, read at the same states
+    as ``batch.teacher_logits`` (both from exact replay of the student's trace); the
     vocabularies must match (a clear error otherwise).
     """
 
@@ -84,9 +85,10 @@ class DistillationLoss:
     def metadata(self) -> dict:
         return {"name": self.name, "version": 1, **self.config.model_dump()}
 
-    def __call__(
-        self, student_logits: torch.Tensor, batch: DiffusionDistillationBatch
-    ) -> LossOutput:
+    def __call__(self, scores, batch: DiffusionDistillationBatch) -> LossOutput:
+        student_logits = scores.logits
+        if student_logits is None:
+            raise ValueError("scores.logits: distillation needs the student's logits")
         if not isinstance(batch, DiffusionDistillationBatch):
             raise TypeError(
                 f"batch: expected a DiffusionDistillationBatch, got {type(batch).__name__}"

@@ -1,4 +1,4 @@
-"""Flow-GRPO: PPO on the SDE steps of flow-matching rollouts (MATH.md §5).
+"""Flow-GRPO: PPO on the SDE steps of flow-matching rollouts (docs/math.md §5).
 
 For a trained step of row ``b`` (log-probs are per-row reductions over the latent elements,
 ``"mean"`` by default — the trace's ``reduction``):
@@ -13,7 +13,7 @@ For a trained step of row ``b`` (log-probs are per-row reductions over the laten
 (equal variance s²), with ``"mean"`` its per-element average (the scale of the mean log-prob).
 ``kl="flow_grpo"`` reproduces Flow-GRPO's code, which divides by 2·std² and so omits the
 ``σ − σ_next`` factor of the variance. Both the clip and the KL are in the differentiated
-loss (PITFALLS.md: a FastVideo prototype only logged them). The loss is the weighted mean of
+loss (docs/pitfalls.md, "PPO terms computed but not differentiated"). The loss is the weighted mean of
 ``x`` over rows and trained steps: ``WeightedMetric(Σ w x, Σ w)`` per micro-batch, normalised
 once by the trainer.
 
@@ -24,20 +24,25 @@ Default clip range ``ε = 1e-4``: with mean-reduced log-probs ``δ`` is a per-el
 so ratios stay within ~1e-4 of 1 and Flow-GRPO calibrates its clip to that. A sum-reduced
 trace needs a clip of the order of ``1e-4 × latent elements``.
 
-Advantages (:func:`flow_advantages`): per prompt group ``(r − mean_g) / (std_g + 1e-4)``
+Advantages (:func:`~diffusion_rl.advantages.group_advantages` with
+:attr:`FlowGRPOConfig.advantage_spec`): per prompt group ``(r − mean_g) / (std_g + 1e-4)``
 (``"group"``) or with the std over the whole batch (``"batch"``, Flow-GRPO's global-std
 option; the mean stays per group), population std (ddof 0), clipped to ``±adv_clip`` (5).
+
+Call shape (every RL objective): ``loss(scores, batch) -> LossOutput`` with ``scores`` the
+live :class:`~diffusion_rl.scoring.flow.FlowStepScores` of a
+:class:`~diffusion_rl.contracts.FlowStepBatch`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..contracts import LossOutput, WeightedMetric
+from ..advantages import AdvantageSpec
+from ..contracts import Extreme, FlowStepBatch, LossOutput, WeightedMetric
 from ..kernels import FLOW_LOGPROB_REDUCTIONS
 
 MAX_LOG_RATIO = 20.0
@@ -61,49 +66,9 @@ class FlowGRPOConfig(BaseModel):
     def uses_reference(self) -> bool:
         return self.beta > 0
 
-
-def flow_advantages(
-    rewards: torch.Tensor,
-    *,
-    group_size: int | None = None,
-    group_ids: torch.Tensor | Sequence[int] | None = None,
-    mode: str = "group",
-    clip: float = 5.0,
-    eps: float = 1e-4,
-) -> torch.Tensor:
-    """``rewards [B]`` → float32 advantages ``[B]`` (see the module doc).
-
-    Groups are consecutive runs of ``group_size`` rows, or arbitrary ``group_ids [B]`` (rows
-    with equal id share a prompt); exactly one of the two.
-    """
-    if mode not in ("group", "batch"):
-        raise ValueError(f"mode: expected 'group' or 'batch', got {mode!r}")
-    if (group_size is None) == (group_ids is None):
-        raise ValueError("flow_advantages: give exactly one of group_size and group_ids")
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards: expected [B], got shape {tuple(rewards.shape)}")
-    rows = rewards.shape[0]
-    if group_size is not None:
-        if group_size < 1 or rows % group_size:
-            raise ValueError(
-                f"group_size: expected a divisor of the batch size {rows}, got {group_size}"
-            )
-        group_ids = torch.arange(rows) // group_size
-    group_ids = torch.as_tensor(group_ids).to(rewards.device)
-    if tuple(group_ids.shape) != (rows,):
-        raise ValueError(f"group_ids: expected [B={rows}], got {tuple(group_ids.shape)}")
-    _, index = torch.unique(group_ids, return_inverse=True)
-    zeros = torch.zeros(int(index.max()) + 1, device=rewards.device)
-    counts = zeros.index_add(0, index, torch.ones_like(rewards))
-    mean = zeros.index_add(0, index, rewards) / counts
-    centred = rewards - mean[index]
-    if mode == "group":
-        var = zeros.index_add(0, index, centred.square()) / counts
-        std = var.sqrt()[index]
-    else:
-        std = rewards.std(correction=0).expand(rows)
-    return torch.clamp(centred / (std + eps), -clip, clip)
+    @property
+    def advantage_spec(self) -> AdvantageSpec:
+        return AdvantageSpec(scale=self.advantage, ddof=0, eps=self.std_eps, clip=self.adv_clip)
 
 
 def flow_kl(
@@ -133,51 +98,46 @@ def flow_kl(
 
 
 class FlowGRPOLoss:
-    """``loss(log_prob, advantages=..., ...) -> LossOutput`` for one micro-batch of steps.
+    """``loss(scores, batch) -> LossOutput`` for one micro-batch of steps.
 
-    Inputs per row (``[b]`` unless said): ``log_prob`` live ``ℓθ`` (with gradient);
-    ``advantages``; ``old_log_prob`` (required when ``num_iterations > 1``);
-    ``behaviour_log_prob`` (for the parity diagnostic); when ``beta > 0``: ``mean`` μθ and
-    ``ref_mean`` μref ``[b, *latent]``, ``std``, ``sigma``, ``sigma_next``; ``weights``
-    (default 1); ``reduction`` of the trace.
+    ``scores``: the live replay of ``batch`` (``logprobs`` ``ℓθ [b]`` with gradient; ``means``
+    ``μθ [b, *latent]`` and ``stds [b]`` for the KL). ``batch`` carries ``advantages``,
+    ``behaviour_logprobs`` (the parity diagnostic), ``weights`` (default 1),
+    ``old_logprobs`` (required when ``num_iterations > 1``) and, when ``beta > 0``,
+    ``ref_means`` and ``sigma`` / ``sigma_next``. ``reduction`` is the trace's (how the
+    log-probs reduce over latent elements; the KL reduces the same way).
     """
 
     name = "flow_grpo"
 
-    def __init__(self, config: FlowGRPOConfig | None = None) -> None:
+    def __init__(self, config: FlowGRPOConfig | None = None, *, reduction: str = "mean") -> None:
+        if reduction not in FLOW_LOGPROB_REDUCTIONS:
+            raise ValueError(
+                f"reduction: expected one of {FLOW_LOGPROB_REDUCTIONS}, got {reduction!r}"
+            )
         self.config = config or FlowGRPOConfig()
+        self.reduction = reduction
 
     def metadata(self) -> dict:
         return {"name": self.name, "version": 1, **self.config.model_dump()}
 
-    def __call__(
-        self,
-        log_prob: torch.Tensor,
-        *,
-        advantages: torch.Tensor,
-        old_log_prob: torch.Tensor | None = None,
-        behaviour_log_prob: torch.Tensor | None = None,
-        mean: torch.Tensor | None = None,
-        ref_mean: torch.Tensor | None = None,
-        std: torch.Tensor | None = None,
-        sigma: torch.Tensor | None = None,
-        sigma_next: torch.Tensor | None = None,
-        weights: torch.Tensor | None = None,
-        reduction: str = "mean",
-    ) -> LossOutput:
+    def __call__(self, scores, batch: FlowStepBatch) -> LossOutput:
         cfg = self.config
+        log_prob = scores.logprobs
         if log_prob.dim() != 1:
-            raise ValueError(f"log_prob: expected per-row [b], got shape {tuple(log_prob.shape)}")
+            raise ValueError(f"logprobs: expected per-row [b], got shape {tuple(log_prob.shape)}")
+        if batch.advantages is None:
+            raise ValueError("advantages: the batch carries none; prepare it with advantages")
         if cfg.num_iterations == 1:
             old = log_prob.detach()
-        elif old_log_prob is None:
+        elif batch.old_logprobs is None:
             raise ValueError(
-                "old_log_prob: num_iterations > 1 needs the start-of-step snapshot's log-probs"
+                "old_logprobs: num_iterations > 1 needs the start-of-step snapshot's log-probs"
             )
         else:
-            old = old_log_prob.float()
-        advantages = advantages.float()
-        weights = torch.ones_like(advantages) if weights is None else weights.float()
+            old = batch.old_logprobs.float()
+        advantages = batch.advantages.float()
+        weights = torch.ones_like(advantages) if batch.weights is None else batch.weights.float()
 
         delta = torch.clamp(log_prob - old, -MAX_LOG_RATIO, MAX_LOG_RATIO)
         ratio = torch.exp(delta)
@@ -186,20 +146,17 @@ class FlowGRPOLoss:
         per_row = pg
         kl = None
         if cfg.uses_reference:
-            missing = [
-                n
-                for n, t in (
-                    ("mean", mean),
-                    ("ref_mean", ref_mean),
-                    ("std", std),
-                    ("sigma", sigma),
-                    ("sigma_next", sigma_next),
-                )
-                if t is None
-            ]
-            if missing:
-                raise ValueError(f"beta={cfg.beta} > 0: the KL term needs {missing}")
-            kl = flow_kl(mean, ref_mean, std, sigma, sigma_next, kind=cfg.kl, reduction=reduction)
+            if batch.ref_means is None:
+                raise ValueError(f"ref_means: beta={cfg.beta} > 0, the KL term needs them")
+            kl = flow_kl(
+                scores.means,
+                batch.ref_means,
+                scores.stds,
+                batch.sigma,
+                batch.sigma_next,
+                kind=cfg.kl,
+                reduction=self.reduction,
+            )
             per_row = pg + cfg.beta * kl
         total_w = weights.sum().detach()
 
@@ -211,21 +168,20 @@ class FlowGRPOLoss:
         clipped_side = ((advantages > 0) & (ratio_d > 1.0 + cfg.clip_range)) | (
             (advantages < 0) & (ratio_d < 1.0 - cfg.clip_range)
         )
+        parity = (old.detach() - batch.behaviour_logprobs.float()).abs()
         aux: dict = {
             "flow_grpo/pg_loss": weighted(pg),
             "flow_grpo/ratio_mean": weighted(ratio_d),
-            "flow_grpo/ratio_min": ratio_d.min(),
-            "flow_grpo/ratio_max": ratio_d.max(),
+            "flow_grpo/ratio_min": Extreme(ratio_d.min(), "min"),
+            "flow_grpo/ratio_max": Extreme(ratio_d.max()),
             "flow_grpo/outside_clip_frac": weighted(outside.float()),
             "flow_grpo/clip_frac": weighted(clipped_side.float()),
             "flow_grpo/advantage_abs": weighted(advantages.abs()),
+            "flow_grpo/parity_mean_abs": weighted(parity),
+            "flow_grpo/parity_max_abs": Extreme(parity.max()),
         }
         if kl is not None:
             aux["flow_grpo/kl"] = weighted(kl)
-        if behaviour_log_prob is not None:
-            parity = (old.detach() - behaviour_log_prob.float()).abs()
-            aux["flow_grpo/parity_mean_abs"] = weighted(parity)
-            aux["flow_grpo/parity_max_abs"] = parity.max()
         return LossOutput(
             primary=WeightedMetric((per_row * weights).sum(), total_w), aux_metrics=aux
         )

@@ -1,4 +1,4 @@
-"""Rectified-flow SFT for flow-matching generators (MATH.md §5).
+"""Rectified-flow SFT for flow-matching generators (docs/math.md §5).
 
 Per row ``b`` with clean latent ``x0``: ``σ ~ U(0, 1)`` or logit-normal
 (``σ = sigmoid(m + s·n)``, ``n ~ N(0, 1)``), ``ε ~ N(0, I)``,

@@ -1,4 +1,4 @@
-"""Policy optimisation on token traces: GRPO, DAPO and Dr.GRPO (MATH.md §3).
+"""Policy optimisation on token traces: GRPO, DAPO and Dr.GRPO (docs/math.md §3).
 
 Everything per action ``i`` of row ``b`` with weight ``w_i`` (fractional allowed):
 
@@ -14,9 +14,14 @@ sequence-mean-token-scale: Σ_b (Σ_i x w / N) / B; sequence-mean-token-sum: Σ_
 #non-empty rows). ``ℓold`` is the start-of-step snapshot; with one inner iteration it is
 ``stop_grad(ℓ)``, so every ratio is exactly 1 before the update.
 
-Advantages per group of G completions of one prompt: GRPO ``(r − mean) / (std + 1e-6)``
-(ddof 1 by default), Dr.GRPO ``r − mean``. DAPO adds overlong shaping in *tokens* and dynamic
-sampling (groups whose rewards are all equal are dropped and the batch refilled; see the recipe).
+Advantages per group of G completions of one prompt (computed by
+:func:`~diffusion_rl.advantages.group_advantages` with :attr:`PolicyLossConfig.advantage_spec`):
+GRPO ``(r − mean) / (std + 1e-6)`` (ddof 1 by default), Dr.GRPO ``r − mean``. DAPO adds
+overlong shaping in *tokens* and dynamic sampling (groups whose rewards are all equal are
+dropped and the batch refilled by the rollout collector).
+
+Call shape (every RL objective): ``loss(scores, batch) -> LossOutput`` with ``scores`` the
+live :class:`~diffusion_rl.scoring.ReplayScores` of the batch's actions.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..contracts import DiffusionTokenBatch, LossOutput, WeightedMetric
+from ..advantages import AdvantageSpec
+from ..contracts import DiffusionTokenBatch, Extreme, LossOutput, WeightedMetric
 
 Algorithm = Literal["grpo", "dapo", "drgrpo"]
 Aggregation = Literal[
@@ -105,44 +111,11 @@ class PolicyLossConfig(BaseModel):
     def uses_reference(self) -> bool:
         return self.beta != "none"
 
-
-def group_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    mode: str = "group_std",
-    ddof: int = 1,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """``rewards [B]`` in consecutive groups of ``group_size`` → advantages ``[B]`` float32."""
-    if mode not in ("group_std", "group_mean"):
-        raise ValueError(f"mode: expected 'group_std' or 'group_mean', got {mode!r}")
-    if group_size < 1:
-        raise ValueError(f"group_size: expected >= 1, got {group_size}")
-    if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards: expected [B] with B a multiple of group_size={group_size}, got {tuple(rewards.shape)}"
-        )
-    groups = rewards.float().view(-1, group_size)
-    centred = groups - groups.mean(1, keepdim=True)
-    if mode == "group_mean":
-        return centred.reshape(-1)
-    if group_size - ddof < 1:
-        raise ValueError(
-            f"group_size: std with ddof={ddof} needs group_size > {ddof}, got {group_size}"
-        )
-    std = groups.std(1, correction=ddof, keepdim=True)
-    return (centred / (std + eps)).reshape(-1)
-
-
-def overlong_penalty(
-    lengths: torch.Tensor, max_tokens: int, buffer_tokens: int, penalty: float
-) -> torch.Tensor:
-    """DAPO soft overlong punishment, in tokens: ``min(−(len − (L_max − L_buf)) / L_buf · p, 0)``."""
-    if buffer_tokens == 0 or penalty == 0:
-        return torch.zeros_like(lengths, dtype=torch.float32)
-    excess = lengths.float() - (max_tokens - buffer_tokens)
-    return torch.clamp(-excess / buffer_tokens * penalty, max=0.0)
+    @property
+    def advantage_spec(self) -> AdvantageSpec:
+        if self.advantage == "group_mean":
+            return AdvantageSpec(scale="none")
+        return AdvantageSpec(scale="group", ddof=self.std_ddof, eps=self.std_eps)
 
 
 def kl_per_action(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -179,12 +152,14 @@ def aggregate(
 
 
 class PolicyLoss:
-    """``loss(logprobs, batch) -> LossOutput`` for one micro-batch of a prepared trace batch.
+    """``loss(scores, batch) -> LossOutput`` for one micro-batch of a prepared trace batch.
 
-    ``batch.model_inputs`` must carry (batch-major, as the recipe stores them):
-    ``advantages [B]``, ``behaviour_logprobs [B, L]``, ``old_logprobs [B, L]`` when
-    ``num_iterations > 1``, ``ref_logprobs [B, L]`` when ``beta`` is not None. ``logprobs`` are
-    the live scores ``[B, L]`` (with gradient) of the same actions in the same states.
+    ``batch.model_inputs`` must carry (batch-major): ``advantages [B]`` and
+    ``behaviour_logprobs [B, L]`` (``TokenTrace.prepare(advantages=...)``), ``old_logprobs
+    [B, L]`` when ``num_iterations > 1``, ``ref_logprobs [B, L]`` when ``beta`` is not
+    ``"none"`` (both attached by the learner). ``scores.logprobs`` are the live scores
+    ``[B, L]`` (with gradient) of the same actions in the same states; ``scores.entropy``
+    (optional) is logged.
     """
 
     name = "policy_gradient"
@@ -195,13 +170,9 @@ class PolicyLoss:
     def metadata(self) -> dict:
         return {"name": self.config.algorithm, "version": 1, **self.config.model_dump()}
 
-    def __call__(
-        self,
-        logprobs: torch.Tensor,
-        batch: DiffusionTokenBatch,
-        entropy: torch.Tensor | None = None,
-    ) -> LossOutput:
+    def __call__(self, scores, batch: DiffusionTokenBatch) -> LossOutput:
         cfg = self.config
+        logprobs, entropy = scores.logprobs, scores.entropy
         inputs = batch.model_inputs
         weights = batch.loss_weights.float()
         active = weights != 0
@@ -249,12 +220,12 @@ class PolicyLoss:
         aux: dict = {
             "policy/pg_loss": token_mean(pg),
             "policy/ratio_mean": token_mean(ratio),
-            "policy/ratio_max": finite_ratio.max() if finite_ratio.numel() else torch.tensor(1.0),
-            "policy/ratio_min": finite_ratio.min() if finite_ratio.numel() else torch.tensor(1.0),
+            "policy/ratio_max": Extreme(finite_ratio.max() if finite_ratio.numel() else 1.0),
+            "policy/ratio_min": Extreme(finite_ratio.min() if finite_ratio.numel() else 1.0, "min"),
             "policy/clip_frac_low": token_mean(low_clipped.float()),
             "policy/clip_frac_high": token_mean(high_clipped.float()),
             "policy/parity_mean_abs": token_mean(parity),
-            "policy/parity_max_abs": parity.max() if parity.numel() else torch.tensor(0.0),
+            "policy/parity_max_abs": Extreme(parity.max() if parity.numel() else 0.0),
         }
         # where the update pushes: mean log-prob of actions with positive / negative advantage
         for name, side in (("pos", advantages > 0), ("neg", advantages < 0)):

@@ -1,4 +1,4 @@
-"""Masked-diffusion SFT (MATH.md §1.4).
+"""Masked-diffusion SFT (docs/math.md §1.4).
 
 Per row, ``t ~ U(eps, 1)``; each active completion slot is masked with probability ``t``; the
 loss is the weighted cross-entropy on the masked slots,

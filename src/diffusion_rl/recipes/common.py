@@ -1,5 +1,8 @@
-"""What every recipe does the same way: build its trainers, resume its latest checkpoint,
-identify a frozen model by its weights."""
+"""What recipes compose the same way: trainers, model references, tasks, evaluations.
+
+Every helper here is shared by at least two recipes; a recipe module imports only from here,
+:mod:`~diffusion_rl.recipes.run` and the layers below (never another recipe).
+"""
 
 from __future__ import annotations
 
@@ -11,16 +14,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from ..train.checkpoint import CheckpointManager
+from ..config import ConfigError, ModelRef, TaskSection
+from ..evaluation import ImageEvalResult, evaluate_images, evaluate_task
+from ..models.io import LoadedModel, load_model
+from ..plots import save_image_grid
+from ..tasks import get_task
+from ..tasks.geneval import GenEvalTask
 from ..train.trainer import LossFn, Trainer
 
 
-def trainer_factory(config: Any) -> Callable[[nn.Module, LossFn], Trainer]:
+def trainer_factory(config: Any) -> Callable[[nn.Module, LossFn | None], Trainer]:
     """``(model, loss_fn) → Trainer`` with the recipe config's ``optim``, ``precision``,
     ``seed`` and ``device`` (and ``activation_checkpointing`` where the recipe offers it)."""
 
-    def make_trainer(model: nn.Module, loss_fn: LossFn) -> Trainer:
+    def make_trainer(model: nn.Module, loss_fn: LossFn | None) -> Trainer:
         return Trainer(
             model,
             loss_fn,
@@ -34,26 +41,108 @@ def trainer_factory(config: Any) -> Callable[[nn.Module, LossFn], Trainer]:
     return make_trainer
 
 
-def resume_latest(
-    trainer: Trainer, manager: CheckpointManager, metadata: dict, *, resume: bool, out: Path
-) -> dict[str, Any] | None:
-    """The extra state of ``manager``'s latest checkpoint, restored into ``trainer`` after
-    ``metadata`` is validated against it; ``None`` when there is no checkpoint. Existing
-    checkpoints with ``resume`` false are refused rather than overwritten."""
-    if manager.latest() is None:
-        return None
-    if not resume:
-        raise ConfigError(
-            f"output_dir: {out} already holds checkpoints; set resume: true to continue, or "
-            "choose a new output_dir"
-        )
-    return trainer.resume(manager, metadata)
-
-
 def weights_digest(model: torch.nn.Module) -> str:
-    """A short content hash of a model's weights (identifies the reference in checkpoints)."""
+    """A short content hash of a model's weights (identifies a frozen model in checkpoints)."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def load_ref(ref: ModelRef, kind: str, field: str) -> LoadedModel:
+    """The model directory ``ref`` names, refused (naming ``field``) unless it is ``kind``."""
+    expected = ref.kind or kind
+    if expected != kind:
+        raise ConfigError(f"{field}.kind: this recipe trains {kind} models, got {ref.kind!r}")
+    loaded = load_model(ref.path)
+    if loaded.kind != kind:
+        raise ConfigError(
+            f"{field}.path: {ref.path} holds a {loaded.kind} model; this recipe needs a {kind} model"
+        )
+    return loaded
+
+
+# ----------------------------------------------------------------------------- token world
+def token_task(section: TaskSection | None, block_size: int, model_info: dict, field: str):
+    """The task a config section names, or (``section`` None) the task the model directory
+    records; its block size is the sampler's (one source of truth for model, data, sampler)."""
+    if section is not None:
+        options = section.options()
+        if "block_size" in options:
+            raise ConfigError(
+                "task.block_size: set sampler.block_size instead (model, data and sampler share it)"
+            )
+        return get_task(section.name, block_size=block_size, **options)
+    if "task" not in model_info:
+        raise ConfigError(f"task: {field} does not record its task; set task.name and its options")
+    options = dict(model_info["task"])
+    name = options.pop("name")
+    if options.get("block_size", block_size) != block_size:
+        raise ConfigError(
+            f"sampler.block_size: the model was trained with blocks of {options['block_size']}, "
+            f"got {block_size}"
+        )
+    options["block_size"] = block_size
+    return get_task(name, **options)
+
+
+def check_tokenizer(loaded: LoadedModel, task, field: str) -> None:
+    if loaded.tokenizer.name != task.tokenizer.name:
+        raise ConfigError(
+            f"{field}: the model uses tokenizer {loaded.tokenizer.name}, the task {task.tokenizer.name}"
+        )
+
+
+def evaluate_tokens(model, task, sampler, config, step: int):
+    """Held-out accuracy with the serving sampler: (history record, metrics, full result)."""
+    result = evaluate_task(
+        model, task, sampler, num_examples=config.eval_examples, seed=config.seed
+    )
+    return {"step": step, "accuracy": result.accuracy}, {"eval/accuracy": result.accuracy}, result
+
+
+# ----------------------------------------------------------------------------- flow world
+def image_task(section, model_info: dict, field: str) -> GenEvalTask:
+    """The configured image task, or (``section`` None) the task the model directory records."""
+    if section is not None:
+        return section.build()
+    if "task" not in model_info:
+        raise ConfigError(f"task: {field} does not record its task; set task.name and its options")
+    try:
+        return GenEvalTask.from_info(model_info["task"])
+    except ValueError as error:
+        raise ConfigError(f"task: {field} records a task this recipe cannot run: {error}") from None
+
+
+def check_model_fits_task(model, task: GenEvalTask, field: str) -> None:
+    if model.latent_shape != task.image_shape:
+        raise ConfigError(
+            f"{field}: the model makes images {model.latent_shape}, the task {task.image_shape}; "
+            "set task.image_size to the model's"
+        )
+    missing = sorted(set(task.vocabulary) - set(model.config.vocabulary))
+    if missing:
+        raise ConfigError(f"{field}: the model's vocabulary lacks the task's words {missing}")
+
+
+def evaluate_image_model(model, task, sampler, config, step: int, grid: Path):
+    """Held-out accuracy per attribute with the ODE sampler at fixed seeds, and a captioned
+    grid of the first ``config.grid_images`` samples at ``grid``: (record, metrics, result)."""
+    result: ImageEvalResult = evaluate_images(
+        model, task, sampler, samples_per_prompt=config.eval_samples_per_prompt, seed=config.seed
+    )
+    record = {
+        "step": step,
+        "accuracy": result.accuracy,
+        "attributes": result.attributes,
+        "reward_mean": result.reward_mean,
+    }
+    metrics = {"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}
+    metrics.update({f"eval/{k}": v for k, v in result.attributes.items() if k != "overall"})
+    count = min(config.grid_images, result.num_images)
+    if count:
+        save_image_grid(
+            result.images[:count], grid, nrow=8, captions=result.captions()[:count], upscale=6
+        )
+    return record, metrics, result

@@ -1,208 +1,136 @@
 """Recipe: GRPO / DAPO / Dr.GRPO of a token denoiser on a built-in task.
 
-Composes: rollout weights + serving sampler with capture (:func:`collect_rollouts`) →
-rewards → group advantages → :class:`PolicyLearner` (exact replay of live, reference and
-old policy on the same states, μ inner iterations, versioned weight sync) →
-:func:`evaluate_task`. Writes ``metrics.jsonl``, ``checkpoints/``, ``model/``,
-``curves.png`` (reward and accuracy) and ``results.json`` (before/after) to ``output_dir``.
+Composes: rollout weights + serving sampler with capture (:func:`collect_rollout` with a
+:class:`TokenSource`) → rewards → group advantages → :class:`PolicyLearner` with the
+:class:`TokenPolicyPlan` (exact replay of live, reference and old policy on the same states,
+μ inner iterations, versioned weight sync) → :func:`evaluate_task`, on the run loop.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..config import ConfigError, GRPORecipeConfig
-from ..evaluation import evaluate_task
-from ..models.io import load_model_dir, save_model_dir
+from ..advantages import OverlongShaping
+from ..config import GRPORecipeConfig
+from ..models.io import save_model
 from ..objectives.grpo import PolicyLoss
-from ..plots import plot_curves
 from ..rewards import CombinedReward, get_reward
-from ..rollout import collect_rollouts
-from ..tasks import get_task
-from ..train import CheckpointManager, MetricsLogger, progress
-from ..train.policy import PolicyLearner
+from ..rollout import TokenSource
+from ..train.learner import PolicyLearner
+from ..train.plans import TokenPolicyPlan
 from ..train.roles import PolicyRoles
-from .common import resume_latest, trainer_factory, weights_digest
-from .sft import build_task as build_configured_task
+from .common import (
+    check_tokenizer,
+    evaluate_tokens,
+    load_ref,
+    token_task,
+    trainer_factory,
+    weights_digest,
+)
+from .run import OnPolicyRecipe, run
 
 
-def build_rewards(config: GRPORecipeConfig, task) -> CombinedReward:
-    terms = []
-    for section in config.rewards:
-        options = dict(section.options)
-        if section.name in ("verifier", "digits"):
-            options["task"] = task
-        terms.append((get_reward(section.name, **options), section.weight))
-    return CombinedReward(terms)
+class GRPORecipe(OnPolicyRecipe):
+    curves = ("rollout/reward_mean", "eval/accuracy", "policy/kl", "policy/entropy")
 
-
-def build_task(config: GRPORecipeConfig, model_info: dict):
-    """The configured task, or (``task: null``) the task the model was trained on."""
-    if config.task is None:
-        if "task" not in model_info:
-            raise ConfigError(
-                f"task: {config.model.path} does not record its task; set task.name and its options"
+    def __init__(self, config: GRPORecipeConfig) -> None:
+        self.config = config
+        policy = config.policy
+        loaded = load_ref(config.model, "token", "model")
+        self.task = task = token_task(
+            config.task, config.sampler.block_size, loaded.info, config.model.path
+        )
+        check_tokenizer(loaded, task, "model.path")
+        self.name, self.title = policy.algorithm, f"{policy.algorithm} on {task.name}"
+        self.model = model = loaded.model.to(config.device)
+        self.roles = PolicyRoles(
+            model, reference=policy.uses_reference, offload_device=config.offload_device
+        )
+        plan = TokenPolicyPlan(
+            PolicyLoss(policy), scorer=config.scorer, post_stop_weight=config.post_stop_weight
+        )
+        self.learner = PolicyLearner(
+            self.roles,
+            plan,
+            trainer_factory(config),
+            micro_batch_size=config.micro_batch_size,
+            allow_off_policy=config.allow_off_policy,
+            seed=config.seed,
+        )
+        self.trainer = self.learner.trainer
+        self.reward_fn = CombinedReward(
+            [
+                (get_reward(r.name, **r.options, **self._task_option(r.name)), r.weight)
+                for r in config.rewards
+            ]
+        )
+        sampler = config.sampler.model_copy(update={"generation_length": task.completion_length})
+        self.source = TokenSource(task, sampler)
+        self.shaping = None
+        if policy.overlong_buffer_tokens:
+            self.shaping = OverlongShaping(
+                policy.overlong_max_tokens or sampler.generation_length,
+                policy.overlong_buffer_tokens,
+                policy.overlong_penalty,
             )
-        options = dict(model_info["task"])
-        name = options.pop("name")
-        if options.get("block_size", config.sampler.block_size) != config.sampler.block_size:
-            raise ConfigError(
-                f"sampler.block_size: the model was trained with blocks of {options['block_size']}, "
-                f"got {config.sampler.block_size}"
-            )
-        options["block_size"] = config.sampler.block_size
-        return get_task(name, **options)
-    return build_configured_task(config.task, config.sampler.block_size)
+        self.eval_sampler = sampler.model_copy(update={"temperature": config.eval_temperature})
+        self.metadata = {
+            "objective": plan.objective.metadata(),
+            "estimator": config.scorer,
+            "sampler": sampler.model_dump(),
+            "model": model.config.model_dump(),
+            "tokenizer": task.tokenizer.name,
+            "task": {"name": task.name, **task.config.model_dump()},
+            "reference": {"path": config.model.path, "weights": weights_digest(model)},
+            "rewards": [r.model_dump() for r in config.rewards],
+            "group_size": config.group_size,
+            "prompts_per_step": config.prompts_per_step,
+            "post_stop_weight": config.post_stop_weight,
+        }
+        self.group_size = config.group_size
+
+    def _task_option(self, reward: str) -> dict:
+        return {"task": self.task} if reward in ("verifier", "digits") else {}
+
+    def describe(self) -> str:
+        return (
+            f"{self.name} on {self.task!r}: {self.model.num_parameters():,} parameters, "
+            f"scorer {self.config.scorer}"
+        )
+
+    def rollout_options(self) -> dict[str, Any]:
+        policy = self.config.policy
+        return {
+            "advantage": policy.advantage_spec,
+            "shaping": self.shaping,
+            "dynamic_sampling": policy.dynamic_sampling,
+            "max_sampling_rounds": self.config.max_sampling_rounds,
+        }
+
+    def evaluate(self, tag: str):
+        record, metrics, self.final = evaluate_tokens(
+            self.model, self.task, self.eval_sampler, self.config, self.steps_done()
+        )
+        return record, metrics
+
+    def save_model(self, directory) -> None:
+        info = {
+            "task": self.metadata["task"],
+            "sampler": self.eval_sampler.model_dump(),
+            "trained_steps": self.steps_done(),
+        }
+        save_model(directory, self.model, info, self.task.tokenizer)
+
+    def results(self, history) -> dict[str, Any]:
+        return {
+            "scorer": self.config.scorer,
+            "accuracy_before": history[0]["accuracy"],
+            "accuracy_after": history[-1]["accuracy"],
+            "eval": self.final.to_dict(),
+            "weights_version": self.roles.version,
+        }
 
 
 def run_grpo(config: GRPORecipeConfig, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    torch.manual_seed(config.seed)
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model_dir(config.model.path)
-    task = build_task(config, loaded.info)
-    if loaded.tokenizer.name != task.tokenizer.name:
-        raise ConfigError(
-            f"model.path: {config.model.path} uses tokenizer {loaded.tokenizer.name}, the task {task.tokenizer.name}"
-        )
-    model = loaded.model.to(config.device)
-    policy = PolicyLoss(config.policy)
-    roles = PolicyRoles(
-        model, reference=config.policy.uses_reference, offload_device=config.offload_device
-    )
-    reference_digest = weights_digest(model)
-
-    learner = PolicyLearner(
-        roles,
-        policy,
-        trainer_factory(config),
-        scorer=config.scorer,
-        micro_batch_size=config.micro_batch_size,
-        allow_off_policy=config.allow_off_policy,
-        seed=config.seed,
-    )
-    trainer = learner.trainer
-    reward_fn = build_rewards(config, task)
-    sampler = config.sampler.model_copy(update={"generation_length": task.completion_length})
-    eval_sampler = sampler.model_copy(update={"temperature": config.eval_temperature})
-    metadata = {
-        "objective": policy.metadata(),
-        "estimator": config.scorer,
-        "sampler": sampler.model_dump(),
-        "model": model.config.model_dump(),
-        "tokenizer": task.tokenizer.name,
-        "task": {"name": task.name, **task.config.model_dump()},
-        "reference": {"path": config.model.path, "weights": reference_digest},
-        "rewards": [r.model_dump() for r in config.rewards],
-        "group_size": config.group_size,
-        "prompts_per_step": config.prompts_per_step,
-        "post_stop_weight": config.post_stop_weight,
-    }
-    manager = CheckpointManager(out / "checkpoints", keep_last=config.keep_last)
-    prompt_position = 0
-    iterations = config.policy.num_iterations
-    history: list[dict[str, Any]] = []
-    results_path = out / "results.json"
-    data = resume_latest(trainer, manager, metadata, resume=config.resume, out=out)
-    if data is not None:
-        prompt_position = int(data["prompt_position"])
-        roles.restore(int(data["weights_version"]))
-        if results_path.is_file():
-            history = json.loads(results_path.read_text()).get("history", [])
-        echo(f"resumed from {manager.latest()} at step {trainer.global_step // iterations}")
-    echo(
-        f"{config.policy.algorithm} on {task!r}: {model.num_parameters():,} parameters, scorer {config.scorer}"
-    )
-
-    def evaluate() -> dict[str, Any]:
-        result = evaluate_task(
-            model, task, eval_sampler, num_examples=config.eval_examples, seed=config.seed
-        )
-        step = trainer.global_step // iterations
-        history.append({"step": step, "accuracy": result.accuracy})
-        logger.log(step, {"eval/accuracy": result.accuracy})
-        return result.to_dict()
-
-    started = time.perf_counter()
-    with MetricsLogger(out) as logger:
-        before = evaluate() if not history else {"accuracy": history[0]["accuracy"]}
-        bar = progress(config.steps, config.policy.algorithm)
-        bar.update(trainer.global_step // iterations)
-        while trainer.global_step // iterations < config.steps:
-            with trainer.autocast():  # sample at the learner's precision: same kernels, parity 0
-                rollout, prompt_position = collect_rollouts(
-                    roles.rollout,
-                    task,
-                    reward_fn,
-                    start_prompt=prompt_position,
-                    num_prompts=config.prompts_per_step,
-                    group_size=config.group_size,
-                    sampler=sampler,
-                    policy=config.policy,
-                    post_stop_weight=config.post_stop_weight,
-                    weights_version=roles.version,
-                    seed=config.seed,
-                    max_sampling_rounds=config.max_sampling_rounds,
-                )
-            metrics = learner.step(rollout)
-            step = trainer.global_step // iterations
-            bar.update(1)
-            if step % config.log_every == 0:
-                logger.log(step, metrics)
-            bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
-            if step % config.eval_every == 0 and step < config.steps:
-                accuracy = evaluate()["accuracy"]
-                bar.set_postfix(
-                    reward=f"{metrics['rollout/reward_mean']:.3f}", acc=f"{accuracy:.3f}"
-                )
-            if step % config.checkpoint_every == 0:
-                trainer.save_checkpoint(
-                    manager,
-                    metadata,
-                    {"prompt_position": prompt_position, "weights_version": roles.version},
-                )
-        bar.close()
-        after = evaluate()
-        if trainer.global_step // iterations % config.checkpoint_every:
-            trainer.save_checkpoint(
-                manager,
-                metadata,
-                {"prompt_position": prompt_position, "weights_version": roles.version},
-            )
-
-    curves = plot_curves(
-        out / "metrics.jsonl",
-        out / "curves.png",
-        ["rollout/reward_mean", "eval/accuracy", "policy/kl", "policy/entropy"],
-        f"{config.policy.algorithm} on {task.name}",
-    )
-    info = {
-        "task": metadata["task"],
-        "sampler": eval_sampler.model_dump(),
-        "trained_steps": trainer.global_step // iterations,
-    }
-    save_model_dir(out / "model", model, task.tokenizer, info)
-    results = {
-        "recipe": config.policy.algorithm,
-        "scorer": config.scorer,
-        "steps": trainer.global_step // iterations,
-        "elapsed_s": round(time.perf_counter() - started, 2),
-        "accuracy_before": before["accuracy"],
-        "accuracy_after": after["accuracy"],
-        "eval": after,
-        "history": history,
-        "weights_version": roles.version,
-        "skipped_nonfinite": trainer.skipped_nonfinite,
-        "model_dir": str(out / "model"),
-        "curves_png": str(curves),
-    }
-    results_path.write_text(json.dumps(results, indent=2) + "\n")
-    return results
+    return run(config, GRPORecipe, echo)

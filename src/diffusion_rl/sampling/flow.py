@@ -1,8 +1,10 @@
 """Flow-matching sampling: one loop for serving (ODE) and, with capture, for rollout (SDE).
 
-MATH.md §5. The schedule runs from σ = 1 (noise) to σ = 0 on ``num_steps`` uniform steps,
-shifted by ``σ' = sσ / (1 + (s − 1)σ)``. At each step the velocity comes from one batched
-forward of the conditional and unconditional rows (classifier-free guidance
+docs/math.md §5. The schedule runs from σ = 1 (noise) to σ = 0 in ``num_steps`` steps, on the grid
+:func:`flow_sigmas` builds (``sigma_schedule``: by default uniform steps in σ shifted by
+``σ' = sσ / (1 + (s − 1)σ)``, the FLUX-pipeline form; ``"sd3"``: diffusers' SD3 default). At
+each step the velocity comes from one batched forward of the conditional and unconditional
+rows (classifier-free guidance :func:`~diffusion_rl.guidance.guided_velocity`,
 ``v = v_u + g (v_c − v_u)``, combined in float32; ``g = 1`` runs the conditional rows only),
 then a step kernel from :data:`~diffusion_rl.kernels.KERNELS`:
 
@@ -25,36 +27,41 @@ Invariants that make rollouts replayable and rows independent:
   stays their own, so they differ;
 * the latent is kept in ``latent_dtype`` after every step and that very tensor is both fed to
   the next forward and stored in the trace (bf16: the rounded tensor, whose log-prob is then
-  taken — PITFALLS.md); kernels compute in float32;
+  taken — docs/pitfalls.md, "Stored latent is not the latent continued from"); kernels compute in float32;
 * rows run their forwards in groups of ``micro_batch_size`` (the trace records the groups), so
   replay can repeat the sampler's exact shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..guidance import guided_velocity
 from ..kernels import KERNELS, Kernel
 from ..models.protocol import Conditioning, VelocityModel
+from ..seeding import row_step_generator
 from ..trace import FlowTrace
-from ..train.loggers import progress
-from .token import row_step_generator
 
 FLOW_OPS = ("flow_ode_step", "flow_sde_step")
 LATENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 INITIAL_NOISE_STEP = -1
+SD3_TRAIN_TIMESTEPS = 1000
 
 
 class FlowSamplerConfig(BaseModel):
     """Settings of the flow sampler (stored in every trace).
 
-    Defaults follow Flow-GRPO's SD3 rollouts (10 steps, guidance 4.5, noise level 0.7,
-    mean-reduced log-probs) with SD3's shift 3; ``mode`` defaults to serving (``"ode"``).
+    Defaults follow Flow-GRPO's SD3 rollouts in their settings (10 steps, guidance 4.5, noise
+    level 0.7, mean-reduced log-probs, SD3's shift 3), but the default σ grid
+    (``sigma_schedule="flux"``) is the FLUX-pipeline form — uniform ``1, (N−1)/N, …, 1/N``,
+    shifted, then 0 — not the grid diffusers' SD3 pipeline runs; ``sigma_schedule="sd3"``
+    gives that one (see :func:`flow_sigmas`). ``mode`` defaults to serving (``"ode"``).
     ``latent_dtype``: the dtype the latent is kept, fed and stored in between steps.
     ``micro_batch_size``: rows per velocity forward (None: the whole batch). ``kernels`` maps
     an op (``flow_ode_step``, ``flow_sde_step``) to a preferred kernel id; unset ops use the
@@ -75,7 +82,16 @@ class FlowSamplerConfig(BaseModel):
     latent_dtype: Literal["float32", "bfloat16"] = "float32"
     micro_batch_size: int | None = Field(default=None, ge=1)
     kernels: dict[str, str] = Field(default_factory=dict)
-    progress: bool = False
+    sigma_schedule: Literal["flux", "sd3"] = "flux"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_legacy_keys(cls, data: Any) -> Any:
+        # ``progress`` (a progress-bar switch, now ``sample_flow(on_step=...)``) is still in
+        # the sampler settings of model directories and traces saved before its removal.
+        if isinstance(data, dict) and "progress" in data:
+            data = {k: v for k, v in data.items() if k != "progress"}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> FlowSamplerConfig:
@@ -118,37 +134,41 @@ class FlowSample:
     trace: FlowTrace | None
 
 
-def flow_sigmas(num_steps: int, shift: float) -> torch.Tensor:
-    """Float32 ``[num_steps + 1]`` from exactly 1 to exactly 0: uniform steps in σ, shifted
-    ``σ' = sσ / (1 + (s − 1)σ)`` (computed in float64, then rounded once)."""
-    sigma = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-    return (shift * sigma / (1 + (shift - 1) * sigma)).float()
-
-
-def guided_velocity(
-    model: VelocityModel,
-    latents: torch.Tensor,
-    sigma: torch.Tensor,
-    cond: Conditioning,
-    uncond: Conditioning | None,
-    guidance_scale: float,
+def flow_sigmas(
+    num_steps: int,
+    shift: float,
+    schedule: Literal["flux", "sd3"] = "flux",
+    *,
+    num_train_timesteps: int = SD3_TRAIN_TIMESTEPS,
 ) -> torch.Tensor:
-    """Float32 velocity ``[B, *latent]``; the one CFG combination sampler and replay share.
+    """Float32 σ grid ``[num_steps + 1]``, from 1 (noise) down to a final exact 0.
 
-    ``uncond`` None (guidance 1): ``model(x, σ, cond)``. Else ONE forward of ``2B`` rows,
-    conditional first: ``v = v_u + g (v_c − v_u)``.
+    ``"flux"`` (the default; the FLUX-pipeline form): uniform steps in σ,
+    ``σ_k = 1 − k/N`` for ``k = 0..N``, shifted ``σ' = sσ / (1 + (s − 1)σ)`` (computed in
+    float64, rounded once); the shift keeps 1 and 0 exact.
+
+    ``"sd3"``: diffusers' ``FlowMatchEulerDiscreteScheduler(shift=s).set_timesteps(N)`` as
+    ``StableDiffusion3Pipeline`` calls it (no explicit sigmas, no dynamic shifting), value for
+    value: the training grid ``t/T`` for ``t = T..1`` (``T = num_train_timesteps``) is shifted
+    in float32 and its ends are taken, ``σ_max`` (1 up to float32 rounding) and ``σ_min`` (the
+    shift of ``1/T``); the inference grid ``linspace(σ_max, σ_min, N)`` is shifted AGAIN
+    (float64, rounded once) and 0 is appended. So the shift acts twice and the last step
+    starts from ``σ_min'`` > 0.
     """
-    if uncond is None:
-        return model(latents, sigma, cond).float()
-    if set(cond) != set(uncond):
-        raise ValueError(
-            f"uncond: expected the keys of cond {sorted(cond)}, got {sorted(uncond)}; the two "
-            "halves of classifier-free guidance run as one batch"
-        )
-    both = {key: torch.cat([cond[key], uncond[key]]) for key in cond}
-    velocity = model(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both).float()
-    v_cond, v_uncond = velocity.chunk(2)
-    return v_uncond + guidance_scale * (v_cond - v_uncond)
+    if schedule == "flux":
+        sigma = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+        return (shift * sigma / (1 + (shift - 1) * sigma)).float()
+    if schedule != "sd3":
+        raise ValueError(f"schedule: expected 'flux' or 'sd3', got {schedule!r}")
+    train = torch.tensor([num_train_timesteps, 1.0], dtype=torch.float32) / num_train_timesteps
+    train = shift * train / (1 + (shift - 1) * train)  # as diffusers' __init__, float32
+    sigma_max, sigma_min = train.tolist()
+    timesteps = np.linspace(
+        sigma_max * num_train_timesteps, sigma_min * num_train_timesteps, num_steps
+    )
+    sigma = timesteps / num_train_timesteps
+    sigma = shift * sigma / (1 + (shift - 1) * sigma)  # set_timesteps shifts again, float64
+    return torch.cat([torch.from_numpy(sigma).float(), torch.zeros(1)])
 
 
 def step_noise(seeds: Sequence[int], step: int, shape: tuple[int, ...], device) -> torch.Tensor:
@@ -188,6 +208,7 @@ def sample_flow(
     cond: Conditioning | None = None,
     uncond: Conditioning | None = None,
     decode: bool = True,
+    on_step: Callable[[int], None] | None = None,
 ) -> FlowSample:
     """Generate one sample per prompt.
 
@@ -196,7 +217,10 @@ def sample_flow(
     replace ``model.encode_prompts(prompts)`` / ``model.empty_condition(B)`` when given.
     ``capture=True`` returns a :class:`~diffusion_rl.trace.FlowTrace` stamped with
     ``weights_version`` and the kernel ids used. Call it under ``torch.autocast`` to roll out
-    in mixed precision (replay then runs under the same autocast).
+    in mixed precision (replay then runs under the same autocast). ``on_step(done)``, when
+    given, is called after every finished step of every forward group with the number of
+    such steps done so far (``num_steps × ceil(B / micro_batch_size)`` in all), e.g. to drive
+    a progress bar; it does not change the samples.
     """
     prompts = list(prompts)
     batch = len(prompts)
@@ -224,7 +248,7 @@ def sample_flow(
     else:
         uncond = None
 
-    sigmas = flow_sigmas(config.num_steps, config.shift).to(device)
+    sigmas = flow_sigmas(config.num_steps, config.shift, config.sigma_schedule).to(device)
     sde_steps = config.sde_steps()
     kernels = {op: KERNELS.resolve(op, device, config.kernels.get(op)) for op in FLOW_OPS}
     init_seeds = seeds
@@ -234,8 +258,7 @@ def sample_flow(
     size = config.micro_batch_size or batch
     groups = [list(range(lo, min(batch, lo + size))) for lo in range(0, batch, size)]
     latents, logprobs = [], []
-    bar = progress(config.num_steps * len(groups), "sample") if config.progress else None
-    for rows in groups:
+    for g, rows in enumerate(groups):
         run = _sample_rows(
             model,
             config,
@@ -249,12 +272,12 @@ def sample_flow(
             if uncond is None
             else {k: v[rows[0] : rows[-1] + 1] for k, v in uncond.items()},
             latent_dtype=latent_dtype,
-            bar=bar,
+            on_step=None
+            if on_step is None
+            else (lambda k, done=g * config.num_steps: on_step(done + k)),
         )
         latents.append(run[0])
         logprobs.append(run[1])
-    if bar is not None:
-        bar.close()
     path = torch.cat(latents)
     final = path[:, -1]
     images = model.decode(final) if decode else None
@@ -265,7 +288,7 @@ def sample_flow(
             latents=path,
             sigmas=sigmas.cpu(),
             sde_steps=sde_steps,
-            logprobs=torch.cat(logprobs),
+            behaviour_logprobs=torch.cat(logprobs),
             cond=cond,
             uncond=uncond,
             prompts=prompts,
@@ -297,7 +320,7 @@ def _sample_rows(
     cond: Conditioning,
     uncond: Conditioning | None,
     latent_dtype: torch.dtype,
-    bar,
+    on_step: Callable[[int], None] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward group through every step → latents ``[b, N+1, *]``, log-probs ``[b, N]``."""
     rows = initial.shape[0]
@@ -322,6 +345,6 @@ def _sample_rows(
             x_next = ode_kernel(x, v, sigma, sigma_next).to(latent_dtype)
         path.append(x_next)
         x = x_next
-        if bar is not None:
-            bar.update(1)
+        if on_step is not None:
+            on_step(k + 1)
     return torch.stack(path, dim=1), logprobs

@@ -1,6 +1,6 @@
 """Block-wise low-confidence remasking: one loop for serving and, with capture, for rollout.
 
-MATH.md §1.2. The completion (``generation_length`` slots, all MASK) is cut into blocks of
+docs/math.md §1.2. The completion (``generation_length`` slots, all MASK) is cut into blocks of
 ``block_size`` decoded left to right. At each step every still-masked slot of the current
 block gets a proposal ``x̂ ~ softmax(z / T)`` (Gumbel-max with float64 noise; ``T = 0`` is
 argmax) and a confidence; the most confident slots are committed — a fixed count per step that
@@ -29,10 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..kernels import KERNELS
 from ..models.protocol import TokenDenoiser
+from ..seeding import row_step_generator
 from ..trace import TokenTrace
-
-_MIX_A = 0x9E3779B97F4A7C15
-_MIX_B = 0xBF58476D1CE4E5B9
 
 
 class TokenSamplerConfig(BaseModel):
@@ -75,12 +73,6 @@ def commit_counts(num_slots: int, num_steps: int) -> list[int]:
     ``num_slots // num_steps`` each, the remainder one extra on the earliest steps."""
     base, extra = divmod(num_slots, num_steps)
     return [base + (1 if s < extra else 0) for s in range(num_steps)]
-
-
-def row_step_generator(seed: int, step_id: int) -> torch.Generator:
-    """A CPU generator keyed by (row seed, step id) only."""
-    mixed = (int(seed) * _MIX_A + (int(step_id) + 1) * _MIX_B) % (2**63 - 1)
-    return torch.Generator().manual_seed(mixed)
 
 
 def gumbel_noise(

@@ -1,6 +1,6 @@
 """Approximate log-prob estimators (baselines for ablations) and a scorer factory.
 
-MATH.md §1.3. Exact replay scores each action in the state the sampler took it in. The
+docs/math.md §1.3. Exact replay scores each action in the state the sampler took it in. The
 estimators below ignore the trace's commit steps and score the final completion ``x`` from
 freshly noised canvases instead, as public dLLM RL systems do. Every scorer here has
 

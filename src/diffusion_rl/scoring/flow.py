@@ -1,15 +1,19 @@
 """Exact replay of flow rollouts: the log-prob of each trained SDE step, recomputed.
 
-MATH.md §5. For SDE step ``k`` of a row the learner needs
+docs/math.md §5. For SDE step ``k`` of a row the learner needs
 ``ℓ_k(θ) = log p_θ(latents[k+1] | latents[k])``. The replay
 
 1. takes ``latents[:, k]`` exactly as stored (the tensor the sampler continued from);
-2. recomputes the velocity with the trace's guidance scale through the sampler's own
-   :func:`~diffusion_rl.sampling.flow.guided_velocity` (one batched CFG forward, float32
+2. recomputes the velocity with the trace's guidance scale through the function the sampler
+   uses, :func:`~diffusion_rl.guidance.guided_velocity` (one batched CFG forward, float32
    combination), on the rows of one sampler forward group, so shapes are the sampler's;
 3. calls the SDE kernel looked up **by the id recorded in the trace**
    (:class:`~diffusion_rl.kernels.KernelUnavailableError`, naming it, when this installation
-   lacks it) with ``prev_sample = latents[:, k+1]`` → ``log_prob [b]``, ``mean``, ``std``.
+   lacks it) with ``prev_sample = latents[:, k+1]`` → ``logprobs [b]``, ``means``, ``stds``.
+
+``score(batch)`` scores one :class:`~diffusion_rl.contracts.FlowStepBatch` (what the learner
+calls, like the token world's ``ReplayScorer.score(batch)``); ``score_trace(trace, steps)``
+replays whole traces.
 
 At the behaviour weights, under the sampler's precision, the replayed log-probs equal the
 trace's bitwise (the parity diagnostic): same tensors in, same kernels, same shapes.
@@ -23,23 +27,24 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contracts import FlowStepBatch
+from ..guidance import guided_velocity
 from ..kernels import KERNELS
 from ..models.protocol import VelocityModel
-from ..sampling.flow import guided_velocity
-from ..trace import FlowStepBatch, FlowTrace
+from ..trace import FlowTrace
 
 SETTINGS = ("guidance_scale", "noise_level", "variant", "reduction", "kernel_id")
 
 
 @dataclass(frozen=True)
 class FlowStepScores:
-    """One replayed step: ``log_prob`` float32 ``[b]``, ``mean`` float32 ``[b, *latent]`` (μθ
-    of the step's Gaussian), ``std`` float32 ``[b]`` (its diffusion coefficient; the Gaussian's
-    scale is ``std √(σ − σ_next)``)."""
+    """One replayed step: ``logprobs`` float32 ``[b]``, ``means`` float32 ``[b, *latent]`` (μθ
+    of the step's Gaussian), ``stds`` float32 ``[b]`` (its diffusion coefficient; the
+    Gaussian's scale is ``std √(σ − σ_next)``)."""
 
-    log_prob: torch.Tensor
-    mean: torch.Tensor
-    std: torch.Tensor
+    logprobs: torch.Tensor
+    means: torch.Tensor
+    stds: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -111,8 +116,9 @@ class FlowReplayScorer:
     def _context(self):
         return torch.no_grad() if self.stop_gradient else contextlib.nullcontext()
 
-    def score_step(self, batch: FlowStepBatch) -> FlowStepScores:
-        """Replay one :class:`~diffusion_rl.trace.FlowStepBatch` (one forward group, one step)."""
+    def score(self, batch: FlowStepBatch) -> FlowStepScores:
+        """Replay one :class:`~diffusion_rl.contracts.FlowStepBatch` (one forward group, one
+        step)."""
         s = self.settings
         if (batch.uncond is None) != (s["guidance_scale"] == 1.0):
             raise ValueError(
@@ -140,7 +146,7 @@ class FlowReplayScorer:
             )
         return FlowStepScores(log_prob, mean, std)
 
-    def score(
+    def score_trace(
         self, trace: FlowTrace, steps: Sequence[int] | None = None, *, return_means: bool = False
     ) -> FlowScores:
         """Replay ``steps`` (default: every SDE step) of every row, forward group by forward
@@ -154,15 +160,15 @@ class FlowReplayScorer:
                 )
         steps = trace.sde_step_indices() if steps is None else [int(k) for k in steps]
         parts: dict[int, list[tuple[torch.Tensor, FlowStepScores]]] = {k: [] for k in steps}
-        for batch in trace.step_batches(steps):
-            parts[batch.step].append((batch.rows, self.score_step(batch)))
+        for batch in trace.prepare(steps):
+            parts[batch.step].append((batch.rows, self.score(batch)))
         logprobs, stds, means = [], [], []
         for k in steps:
             rows = torch.cat([r for r, _ in parts[k]])
-            logprobs.append(_in_trace_order(rows, [sc.log_prob for _, sc in parts[k]]))
-            stds.append(_in_trace_order(rows, [sc.std for _, sc in parts[k]]))
+            logprobs.append(_in_trace_order(rows, [sc.logprobs for _, sc in parts[k]]))
+            stds.append(_in_trace_order(rows, [sc.stds for _, sc in parts[k]]))
             if return_means:
-                means.append(_in_trace_order(rows, [sc.mean for _, sc in parts[k]]))
+                means.append(_in_trace_order(rows, [sc.means for _, sc in parts[k]]))
         return FlowScores(
             steps,
             torch.stack(logprobs, 1),

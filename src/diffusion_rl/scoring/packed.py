@@ -1,6 +1,6 @@
 """Packed exact replay for block-causal models: every step's logits from one forward.
 
-MATH.md §1.3 (TraceRL layout). Exact replay scores action ``i`` (slot committed at step
+docs/math.md §1.3 (TraceRL layout). Exact replay scores action ``i`` (slot committed at step
 ``a_i`` with token ``x_i``) as ``ℓ_i = log softmax(f_θ(c_{a_i})_i / T)[x_i]`` with
 ``c_s = prompt ⊕ [x_j if 0 <= a_j < s else MASK]``. Dense replay runs one forward per step.
 In a block-causal model, a slot of block ``b`` sees only the prompt, blocks ``< b`` and its

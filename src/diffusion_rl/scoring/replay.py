@@ -1,6 +1,6 @@
 """Exact replay: the policy log-prob of every action in the very state it was taken.
 
-MATH.md §1.3. For action ``i`` (slot committed at step ``a_i`` with token ``x_i``):
+docs/math.md §1.3. For action ``i`` (slot committed at step ``a_i`` with token ``x_i``):
 ``ℓ_i(θ) = log softmax(f_θ(c_{a_i})_i / T)[x_i]`` with ``c_s = prompt ⊕ [x_j if 0 <= a_j < s
 else MASK]``. *Dense* replay runs one forward per distinct step id, on the rows that acted at
 that step, and reads the slots committed there. At the behaviour weights it reproduces the
@@ -13,7 +13,7 @@ and targets are replaced by 0 before any arithmetic and their outputs are 0, so 
 non-finite values there never reach a loss or a gradient.
 
 With ``return_logits=True`` dense replay also returns the logits every action was read from
-(the input of on-policy distillation, MATH.md §4: a teacher scored through the same walk sees
+(the input of on-policy distillation, docs/math.md §4: a teacher scored through the same walk sees
 exactly the student's states).
 """
 

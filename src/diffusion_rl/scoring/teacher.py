@@ -1,4 +1,4 @@
-"""Teacher logits on the student's states: the input of on-policy distillation (MATH.md §4).
+"""Teacher logits on the student's states: the input of on-policy distillation (docs/math.md §4).
 
 For every action ``i`` of a student trace (slot committed at step ``a_i``), the teacher is
 run on the canvas the student saw when it committed that slot,
@@ -26,7 +26,7 @@ import torch
 
 from ..contracts import DiffusionDistillationBatch, DiffusionTokenBatch
 from ..models.protocol import TokenDenoiser
-from .replay import ReplayScorer
+from .replay import ReplayScorer, ReplayScores
 
 
 class VocabularyMismatchError(ValueError):
@@ -101,9 +101,13 @@ class TeacherScorer:
         options.setdefault("kernel_id", trace.kernel_ids.get("token_logprobs"))
         return cls(teacher, **options)
 
+    def score(self, batch: DiffusionTokenBatch) -> ReplayScores:
+        """The replay of ``batch`` with the teacher; ``.logits`` as in :meth:`logits`."""
+        return self.replay.score(batch)
+
     def logits(self, batch: DiffusionTokenBatch) -> torch.Tensor:
         """Float32 ``[B, L, V]`` (see the module docstring)."""
-        return self.replay.score(batch).logits
+        return self.score(batch).logits
 
     def distillation_batch(self, batch: DiffusionTokenBatch) -> DiffusionDistillationBatch:
         """``batch`` with the teacher's logits attached (the distillation contract)."""

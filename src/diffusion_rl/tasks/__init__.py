@@ -1,4 +1,5 @@
-"""Built-in synthetic, verifiable tasks and their tokenizer.
+"""Built-in synthetic, verifiable tasks and their tokenizer (re-exported from
+:mod:`diffusion_rl.models.tokenizer`).
 
 ``get_task(name, **config)`` builds a registered task from keyword settings; the registry maps a
 task name to ``(config class, task class)``.
@@ -6,8 +7,8 @@ task name to ``(config class, task class)``.
 
 from __future__ import annotations
 
+from ..models.tokenizer import CharTokenizer
 from .arithmetic import ArithmeticConfig, ArithmeticTask, Example, Split
-from .tokenizer import CharTokenizer
 
 __all__ = [
     "TASKS",

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .tokenizer import CharTokenizer
+from ..models.tokenizer import CharTokenizer
 
 __all__ = ["ArithmeticConfig", "ArithmeticTask", "Example", "Split"]
 

@@ -1,10 +1,12 @@
-"""Reduce per-micro-batch metrics to one number per key (MATH.md §2).
+"""Reduce per-micro-batch metrics to one number per key (docs/math.md §2).
 
 Two kinds of values, never mixed under one key:
 
 * :class:`~diffusion_rl.contracts.WeightedMetric` reduces *globally*:
   ``ΣS / bound(Σd, eps, min_denom)`` (0 when the bound is 0, never NaN). ``eps`` and
   ``min_denom`` are applied once, to the total, so they must agree across items.
+* :class:`~diffusion_rl.contracts.Extreme` reduces by its ``kind``: the max (or min) over
+  the items that carry the key.
 * plain scalars (a one-element tensor, an ``int`` or a ``float``) reduce by the mean over
   the items that carry the key.
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_rl.contracts import WeightedMetric
+from diffusion_rl.contracts import Extreme, WeightedMetric
 
 __all__ = ["WeightedReduction", "reduce_metrics", "reduce_weighted"]
 
@@ -76,47 +78,56 @@ def _is_plain_scalar(value: object) -> bool:
 
 
 def reduce_metrics(
-    items: Sequence[Mapping[str, WeightedMetric | torch.Tensor | float]],
+    items: Sequence[Mapping[str, WeightedMetric | Extreme | torch.Tensor | float]],
 ) -> dict[str, float]:
     """Reduce a sequence of metric mappings (one per micro-batch) to ``{key: float}``.
 
-    Keys may be absent from some items. Raises ``TypeError`` when a key mixes
-    :class:`WeightedMetric` and plain scalars, or holds anything else; ``ValueError`` when the
-    ``eps`` / ``min_denom`` of one weighted key disagree. Output keys keep first-seen order.
+    Keys may be absent from some items. Raises ``TypeError`` when a key mixes kinds
+    (:class:`WeightedMetric`, :class:`Extreme`, plain scalar) or holds anything else;
+    ``ValueError`` when the ``eps`` / ``min_denom`` of one weighted key disagree. Output keys
+    keep first-seen order.
     """
     weighted: dict[str, list[WeightedMetric]] = {}
+    extremes: dict[str, list[Extreme]] = {}
     plain: dict[str, list[float]] = {}
+    kinds: dict[str, str] = {}
     for item in items:
         for key, value in item.items():
             if isinstance(value, WeightedMetric):
-                if key in plain:
-                    raise TypeError(_mixed_message(key))
+                kind = "WeightedMetric"
                 weighted.setdefault(key, []).append(value)
+            elif isinstance(value, Extreme):
+                kind = f"Extreme ({value.kind})"
+                extremes.setdefault(key, []).append(value)
             elif _is_plain_scalar(value):
-                if key in weighted:
-                    raise TypeError(_mixed_message(key))
-                scalar = (
-                    value.detach().double().item() if isinstance(value, torch.Tensor) else value
-                )
-                plain.setdefault(key, []).append(float(scalar))
+                kind = "plain scalar"
+                plain.setdefault(key, []).append(_as_python_float(value))
             else:
                 raise TypeError(
-                    f"metric {key!r}: expected a WeightedMetric or a scalar (one-element tensor, "
-                    f"int, float), got {type(value).__name__}"
+                    f"metric {key!r}: expected a WeightedMetric, an Extreme or a scalar "
+                    f"(one-element tensor, int, float), got {type(value).__name__}"
                 )
-    order = list(dict.fromkeys([k for item in items for k in item]))
+            if kinds.setdefault(key, kind) != kind:
+                raise TypeError(_mixed_message(key, kinds[key], kind))
     out: dict[str, float] = {}
-    for key in order:
+    for key in kinds:
         if key in weighted:
             out[key] = reduce_weighted(weighted[key], key).value
+        elif key in extremes:
+            pick = max if extremes[key][0].kind == "max" else min
+            out[key] = pick(_as_python_float(e.value) for e in extremes[key])
         else:
             values = plain[key]
             out[key] = sum(values) / len(values)
     return out
 
 
-def _mixed_message(key: str) -> str:
+def _as_python_float(value: torch.Tensor | float) -> float:
+    return float(value.detach().double().item() if isinstance(value, torch.Tensor) else value)
+
+
+def _mixed_message(key: str, first: str, other: str) -> str:
     return (
-        f"metric {key!r}: mixes WeightedMetric and plain scalar values across items; "
-        "one key must keep one kind (weighted metrics reduce globally, scalars by mean)"
+        f"metric {key!r}: mixes {first} and {other} values across items; one key must keep "
+        "one kind (weighted metrics reduce globally, extremes by max / min, scalars by mean)"
     )

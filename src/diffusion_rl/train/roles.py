@@ -1,7 +1,8 @@
 """The four policy roles of on-policy RL, with versions.
 
 * **actor** — the trained model.
-* **reference** — a frozen copy of the actor at the start of training (KL anchor).
+* **reference** — a frozen copy of the actor at the start of training (KL anchor), or a
+  frozen model given explicitly (the teacher of on-policy distillation).
 * **old policy** — a snapshot of the actor at the start of each optimisation step, scored on
   the same states and actions as the live actor; optionally held off the compute device.
 * **rollout weights** — what the sampler runs; an in-memory copy synced from the actor, whose
@@ -24,19 +25,25 @@ class StaleTraceError(ValueError):
     """A trace sampled with weights other than the ones the learner is about to update."""
 
 
-def frozen_copy(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
-    clone = copy.deepcopy(model)
+def _freeze(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
     if device is not None:
-        clone.to(device)
-    clone.eval()
-    for param in clone.parameters():
+        model.to(device)
+    model.eval()
+    for param in model.parameters():
         param.requires_grad_(False)
-    return clone
+    return model
+
+
+def frozen_copy(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+    """A deep copy of ``model`` in eval mode, without gradients, on ``device``."""
+    return _freeze(copy.deepcopy(model), device)
 
 
 class PolicyRoles:
     """Holds actor, reference, rollout copy and old-policy snapshot.
 
+    ``reference``: True for a frozen copy of the actor, False for none, or a model to freeze
+    and use as the reference (e.g. a distillation teacher; it is frozen in place, not copied).
     ``offload_device`` (e.g. ``"cpu"``) keeps the reference and the snapshot there between
     uses; :meth:`on_compute` brings one to the actor's device for a scoring pass.
     """
@@ -45,13 +52,16 @@ class PolicyRoles:
         self,
         actor: nn.Module,
         *,
-        reference: bool = True,
+        reference: bool | nn.Module = True,
         offload_device: str | None = None,
         version: int = 0,
     ) -> None:
         self.actor = actor
         self.offload_device = offload_device
-        self.reference = frozen_copy(actor, offload_device) if reference else None
+        if isinstance(reference, nn.Module):
+            self.reference = _freeze(reference, offload_device or self.compute_device)
+        else:
+            self.reference = frozen_copy(actor, offload_device) if reference else None
         self.rollout = frozen_copy(actor)
         self.version = version
         self._snapshot: nn.Module | None = None

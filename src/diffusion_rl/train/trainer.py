@@ -1,7 +1,7 @@
 """The one trainer every method reuses: weighted gradient accumulation, AdamW, LR schedule,
 safe skipping of degenerate steps, and exact checkpoint/resume.
 
-A step over micro-batches k (MATH.md §2): ``loss_fn`` returns ``LossOutput`` with
+A step over micro-batches k (docs/math.md §2): ``loss_fn`` returns ``LossOutput`` with
 ``primary = WeightedMetric(S_k, d_k)``; the trainer back-propagates each ``S_k`` (never the
 per-micro-batch mean), then divides the accumulated gradient once by
 ``bound(Σd_k, eps, min_denom)``. That is the gradient of the global weighted mean over the
@@ -39,7 +39,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils import _pytree as pytree
 
-from diffusion_rl.contracts import LossOutput, WeightedMetric
+from diffusion_rl.contracts import Extreme, LossOutput, WeightedMetric
 from diffusion_rl.train.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
@@ -129,6 +129,10 @@ class StepResult:
     applied: bool
 
 
+def _detached(value: torch.Tensor | float) -> torch.Tensor | float:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
 def _python_rng_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     return {"version": version, "state": list(internal), "gauss_next": gauss_next}
@@ -159,6 +163,9 @@ def _set_numpy_rng_state(state: Mapping[str, Any]) -> None:
 class Trainer:
     """Optimises ``model`` with ``loss_fn(model, micro_batch, generator) -> LossOutput``.
 
+    ``loss_fn`` is given at construction (a fixed objective, e.g. SFT) or per step to
+    :meth:`train_step` (a learner whose loss depends on the rollout it trains on).
+
     * ``self.generator``: a CPU ``torch.Generator`` seeded with ``seed``, passed to every
       ``loss_fn`` call (the loss's randomness: masks, timesteps). Saved and restored.
     * ``precision="bf16"`` runs ``loss_fn`` under ``torch.autocast(device.type, bfloat16)``;
@@ -170,7 +177,7 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         optim: OptimConfig,
         *,
         precision: Literal["fp32", "bf16"] = "fp32",
@@ -222,12 +229,16 @@ class Trainer:
         self.skipped_nonfinite = 0
 
     # ------------------------------------------------------------------------- training
-    def train_step(self, micro_batches: Sequence[Any]) -> StepResult:
-        """One optimisation step over ``micro_batches`` (see the module invariants).
+    def train_step(self, micro_batches: Sequence[Any], loss_fn: LossFn | None = None) -> StepResult:
+        """One optimisation step over ``micro_batches`` (see the module invariants), with
+        ``loss_fn`` (default: the constructor's).
 
         After an applied step ``p.grad`` holds the gradient that was used (normalised and
         clipped); after a skipped step every ``p.grad`` is ``None``.
         """
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise TypeError("loss_fn: give one to Trainer(...) or to train_step(...)")
         if isinstance(micro_batches, (str, bytes)) or not isinstance(micro_batches, Sequence):
             raise TypeError(
                 f"micro_batches: expected a sequence, got {type(micro_batches).__name__}"
@@ -237,7 +248,7 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         try:
-            primaries, aux_items, finite = self._accumulate(micro_batches)
+            primaries, aux_items, finite = self._accumulate(micro_batches, loss_fn)
             loss = reduce_weighted(primaries, "loss")
             aux = reduce_metrics(aux_items)
         except BaseException:
@@ -278,7 +289,7 @@ class Trainer:
         return StepResult(metrics=metrics, applied=applied)
 
     def _accumulate(
-        self, micro_batches: Sequence[Any]
+        self, micro_batches: Sequence[Any], loss_fn: LossFn
     ) -> tuple[list[WeightedMetric], list[dict[str, Any]], bool]:
         """Run ``loss_fn`` on every micro-batch and back-propagate each finite ``S_k``."""
         primaries: list[WeightedMetric] = []
@@ -286,7 +297,7 @@ class Trainer:
         finite = True
         for index, micro_batch in enumerate(micro_batches):
             with self._autocast():
-                out = self.loss_fn(self.model, self._to_device(micro_batch), self.generator)
+                out = loss_fn(self.model, self._to_device(micro_batch), self.generator)
             if not isinstance(out, LossOutput):
                 raise TypeError(
                     f"loss_fn: expected a LossOutput, got {type(out).__name__} (micro-batch {index})"
@@ -307,6 +318,8 @@ class Trainer:
                 {
                     key: value.detach()
                     if isinstance(value, (WeightedMetric, torch.Tensor))
+                    else Extreme(_detached(value.value), value.kind)
+                    if isinstance(value, Extreme)
                     else value
                     for key, value in out.aux_metrics.items()
                 }

@@ -2,7 +2,7 @@
 
 An adapter holds the pipeline's transformer (trained) and its VAE, text encoders and
 tokenizers (frozen), and speaks the :class:`~diffusion_rl.models.protocol.VelocityModel`
-protocol (MATH.md §5):
+protocol (docs/math.md §5):
 
 * ``latents [B, *latent_shape]`` are *unpacked*: ``(C, H, W)`` for images, ``(C, F, H, W)``
   for video, already scaled the way the transformer sees them. Any packing (FLUX's 2×2
