@@ -32,68 +32,54 @@ def _add_sampler_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float)
 
 
-def cmd_sft(args) -> int:
-    from .config import SFTRecipeConfig, load_config
-    from .recipes.sft import run_sft
-
-    config = load_config(args.config, SFTRecipeConfig, args.set)
-    results = run_sft(config)
-    print(
-        f"accuracy {results['eval']['accuracy']:.3f}; results in {Path(config.output_dir) / 'results.json'}"
-    )
-    return 0
+def _before_after(results: dict) -> str:
+    return f"accuracy {results['accuracy_before']:.3f} -> {results['accuracy_after']:.3f}"
 
 
-def cmd_grpo(args) -> int:
-    from .config import GRPORecipeConfig, load_config
-    from .recipes.grpo import run_grpo
-
-    config = load_config(args.config, GRPORecipeConfig, args.set)
-    results = run_grpo(config)
-    print(
-        f"accuracy {results['accuracy_before']:.3f} -> {results['accuracy_after']:.3f}; "
-        f"results in {Path(config.output_dir) / 'results.json'}"
-    )
-    return 0
+def _held_out_before_after(results: dict) -> str:
+    return f"held-out {_before_after(results)}"
 
 
-def cmd_distill(args) -> int:
-    from .config import DistillRecipeConfig, load_config
-    from .recipes.distill import run_distill
-
-    config = load_config(args.config, DistillRecipeConfig, args.set)
-    report = run_distill(config)
-    student, teacher = report["student"], report["teacher"]
-    print(
+def _distill_summary(results: dict) -> str:
+    student, teacher = results["student"], results["teacher"]
+    return (
         f"student accuracy {student['accuracy_before']:.3f} -> {student['accuracy_after']:.3f} "
-        f"(teacher {teacher['accuracy']:.3f}); results in {Path(config.output_dir) / 'results.json'}"
+        f"(teacher {teacher['accuracy']:.3f})"
     )
-    return 0
 
 
-def cmd_flow_sft(args) -> int:
-    from .config import FlowSFTRecipeConfig, load_config
-    from .recipes.flow_sft import run_flow_sft
+# command → (config class, recipe module and class, one-line summary of results.json)
+RECIPES = {
+    "sft": (
+        "SFTRecipeConfig",
+        "sft",
+        "SFTRecipe",
+        lambda r: f"accuracy {r['eval']['accuracy']:.3f}",
+    ),
+    "grpo": ("GRPORecipeConfig", "grpo", "GRPORecipe", _before_after),
+    "distill": ("DistillRecipeConfig", "distill", "DistillRecipe", _distill_summary),
+    "flow-sft": (
+        "FlowSFTRecipeConfig",
+        "flow_sft",
+        "FlowSFTRecipe",
+        lambda r: f"held-out accuracy {r['eval']['accuracy']:.3f}; model in {r['model_dir']}",
+    ),
+    "flow-grpo": ("FlowGRPORecipeConfig", "flow_grpo", "FlowGRPORecipe", _held_out_before_after),
+}
 
-    config = load_config(args.config, FlowSFTRecipeConfig, args.set)
-    results = run_flow_sft(config)
-    print(
-        f"held-out accuracy {results['eval']['accuracy']:.3f}; model in {results['model_dir']}; "
-        f"results in {Path(config.output_dir) / 'results.json'}"
-    )
-    return 0
 
+def cmd_recipe(args) -> int:
+    """A recipe command: its config from YAML and ``--set``, run on the one run loop."""
+    import importlib
 
-def cmd_flow_grpo(args) -> int:
-    from .config import FlowGRPORecipeConfig, load_config
-    from .recipes.flow_grpo import run_flow_grpo
+    from . import config as configs
+    from .recipes.run import run
 
-    config = load_config(args.config, FlowGRPORecipeConfig, args.set)
-    results = run_flow_grpo(config)
-    print(
-        f"held-out accuracy {results['accuracy_before']:.3f} -> {results['accuracy_after']:.3f}; "
-        f"results in {Path(config.output_dir) / 'results.json'}"
-    )
+    config_name, module, recipe, summary = RECIPES[args.command]
+    config = configs.load_config(args.config, getattr(configs, config_name), args.set)
+    recipe_class = getattr(importlib.import_module(f".recipes.{module}", __package__), recipe)
+    results = run(config, recipe_class)
+    print(f"{summary(results)}; results in {Path(config.output_dir) / 'results.json'}")
     return 0
 
 
@@ -349,12 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_quickstart)
 
-    for name, run, help_text, example in (
-        ("sft", cmd_sft, "masked-diffusion SFT from a YAML config", "optim.lr=3e-4"),
-        ("grpo", cmd_grpo, "GRPO / DAPO / Dr.GRPO from a YAML config", "policy.algorithm=dapo"),
-        ("distill", cmd_distill, "on-policy distillation from a YAML config", "teacher.path=DIR"),
-        ("flow-sft", cmd_flow_sft, "rectified-flow SFT of an image model", "steps=500"),
-        ("flow-grpo", cmd_flow_grpo, "Flow-GRPO of an image model", "policy.beta=0"),
+    for name, help_text, example in (
+        ("sft", "masked-diffusion SFT from a YAML config", "optim.lr=3e-4"),
+        ("grpo", "GRPO / DAPO / Dr.GRPO from a YAML config", "policy.algorithm=dapo"),
+        ("distill", "on-policy distillation from a YAML config", "teacher.path=DIR"),
+        ("flow-sft", "rectified-flow SFT of an image model", "steps=500"),
+        ("flow-grpo", "Flow-GRPO of an image model", "policy.beta=0"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--config", help="YAML file (omit for all defaults)")
@@ -364,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help=f"override a config key, e.g. {example}",
         )
-        p.set_defaults(func=run)
+        p.set_defaults(func=cmd_recipe)
 
     p = sub.add_parser(
         "generate", help="sample completions (token model) or a PNG grid (image model)"

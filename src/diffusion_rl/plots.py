@@ -105,3 +105,36 @@ def save_image_grid(
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path, format="PNG")
     return path
+
+
+def plot_loss_and_accuracy(
+    metrics_path: Path,
+    png_path: Path,
+    history: list[dict],
+    loss_keys: list[str],
+    *,
+    reference: tuple[str, float] | None = None,
+    title: str = "",
+) -> Path:
+    """Two panels: the ``loss_keys`` per step, and held-out accuracy of the ``history``
+    against a ``(label, accuracy)`` reference line (e.g. a distillation teacher)."""
+    records = read_metrics(metrics_path)
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9.5, 3.4))
+    for key in loss_keys:
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            loss_ax.plot(*zip(*points), linewidth=1.2, label=key.split("/")[-1])
+    loss_ax.set(xlabel="step", title="loss")
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    acc_ax.plot([h["step"] for h in history], [h["accuracy"] for h in history], marker="o")
+    if reference is not None:
+        acc_ax.axhline(reference[1], color="black", linestyle="--", label=reference[0])
+        acc_ax.legend()
+    acc_ax.set(xlabel="step", ylim=(0, 1.02), title="held-out accuracy")
+    acc_ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return Path(png_path)

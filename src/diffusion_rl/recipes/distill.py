@@ -18,7 +18,7 @@ from ..config import ConfigError, DistillRecipeConfig
 from ..evaluation import evaluate_task
 from ..models.io import save_model
 from ..objectives.distill import DistillationLoss
-from ..plots import plt, read_metrics
+from ..plots import plot_loss_and_accuracy
 from ..rewards import CombinedReward, get_reward
 from ..rollout import TokenSource
 from ..train.learner import PolicyLearner
@@ -110,28 +110,16 @@ class DistillRecipe(OnPolicyRecipe):
         self.teacher_accuracy = state["teacher_accuracy"]
 
     def plot(self, out, history):
-        """Two panels: the loss terms per step; student accuracy against the teacher line."""
-        records = read_metrics(out / "metrics.jsonl")
-        fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9.5, 3.4))
-        for term in ("soft", "hard"):
-            if getattr(self.config.objective, f"{term}_weight") > 0:
-                key = f"distill/{term}_loss"
-                points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-                if points:
-                    loss_ax.plot(*zip(*points), linewidth=1.2, label=term)
-        loss_ax.set(xlabel="step", title="distillation loss")
-        loss_ax.legend()
-        loss_ax.grid(alpha=0.3)
-        acc_ax.plot([h["step"] for h in history], [h["accuracy"] for h in history], marker="o")
-        acc_ax.axhline(self.teacher_accuracy, color="black", linestyle="--", label="teacher")
-        acc_ax.set(xlabel="step", ylim=(0, 1.02), title="held-out accuracy (student)")
-        acc_ax.legend()
-        acc_ax.grid(alpha=0.3)
-        fig.suptitle(f"on-policy distillation on {self.task.name}")
-        fig.tight_layout()
-        fig.savefig(out / "curves.png", dpi=110)
-        plt.close(fig)
-        return out / "curves.png"
+        """The loss terms per step; the student's accuracy against the teacher's line."""
+        terms = [t for t in ("soft", "hard") if getattr(self.config.objective, f"{t}_weight") > 0]
+        return plot_loss_and_accuracy(
+            out / "metrics.jsonl",
+            out / "curves.png",
+            history,
+            [f"distill/{t}_loss" for t in terms],
+            reference=("teacher", self.teacher_accuracy),
+            title=f"on-policy distillation on {self.task.name}",
+        )
 
     def save_model(self, directory) -> None:
         info = {

@@ -1,5 +1,6 @@
-"""Scoring traces: exact replay of the actions a sampler took (dense or packed), and the
-approximate estimators used as baselines."""
+"""Scoring traces: exact replay of the actions a sampler took — token traces (dense or
+packed) and flow traces (per SDE step) — and the approximate token estimators used as
+baselines."""
 
 from .estimators import (
     SCORERS,
@@ -9,6 +10,7 @@ from .estimators import (
     TraceScorer,
     make_scorer,
 )
+from .flow import FlowReplayScorer, FlowScores, FlowStepScores
 from .packed import PackedReplayScorer
 from .replay import ReplayScorer, ReplayScores, masked_entropy
 from .teacher import TeacherScorer, VocabularyMismatchError, check_same_vocabulary
@@ -17,6 +19,9 @@ __all__ = [
     "SCORERS",
     "CoupledEstimator",
     "ELBOEstimator",
+    "FlowReplayScorer",
+    "FlowScores",
+    "FlowStepScores",
     "MeanFieldEstimator",
     "PackedReplayScorer",
     "ReplayScorer",
