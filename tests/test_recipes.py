@@ -316,3 +316,26 @@ def test_grpo_in_bf16_samples_at_the_learner_precision(tmp_path):
         r["policy/parity_max_abs@iter0"] == 0.0 and r["policy/ratio_mean@iter0"] == 1.0
         for r in steps
     )
+
+
+def test_model_references_are_checked_by_kind_and_small_models_train_on_one_thread(tmp_path):
+    from diffusion_rl.config import GRPORecipeConfig
+    from diffusion_rl.recipes.grpo import run_grpo
+    from diffusion_rl.recipes.run import SMALL_MODEL_PARAMETERS, default_threads
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        run_sft(tiny_config(tmp_path, "sft", steps=1), echo=lambda _: None)
+        assert torch.get_num_threads() == 1  # threads: null -> 1 for a model this small
+    finally:
+        torch.set_num_threads(threads)
+    assert default_threads(SMALL_MODEL_PARAMETERS - 1) == 1
+    assert default_threads(SMALL_MODEL_PARAMETERS) == torch.get_num_threads()
+
+    model = str(tmp_path / "sft" / "model")
+    wrong_kind = {**GRPO_TINY, "model": {"path": model, "kind": "flow"}}
+    with pytest.raises(ConfigError, match="model.kind: this recipe trains token models"):
+        run_grpo(build_config(GRPORecipeConfig, {**wrong_kind, "output_dir": str(tmp_path / "g")}))
+    with pytest.raises(ConfigError, match="model.kind"):
+        build_config(GRPORecipeConfig, {"model": {"path": model, "kind": "video"}})
