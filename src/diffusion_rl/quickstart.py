@@ -42,6 +42,11 @@ QUICKSTART_GRPO_STEPS = 100
 QUICKSTART_TASK = {"name": "arithmetic", "num_digits": 2}
 
 
+def _stage_config(cls, defaults: dict, overrides: dict, name: str):
+    """A stage's config: the quickstart's ``defaults`` under the user's ``--set`` ones."""
+    return build_config(cls, merge_dicts(defaults, overrides.get(name, {})), f"quickstart {name}")
+
+
 def _stage_overrides(overrides: list[str] | None) -> dict:
     extra = parse_overrides(overrides)
     unknown = sorted(set(extra) - {"sft", "grpo"})
@@ -59,32 +64,28 @@ def run_quickstart(
 ) -> dict:
     out = Path(output_dir)
     extra = _stage_overrides(overrides)
-    sft_config = build_config(
+    sft_config = _stage_config(
         SFTRecipeConfig,
-        merge_dicts(
-            {
-                "output_dir": str(out / "sft"),
-                "threads": threads,
-                "steps": steps or QUICKSTART_SFT_STEPS,
-                "task": QUICKSTART_TASK,
-            },
-            extra.get("sft", {}),
-        ),
-        "quickstart sft",
+        {
+            "output_dir": str(out / "sft"),
+            "threads": threads,
+            "steps": steps or QUICKSTART_SFT_STEPS,
+            "task": QUICKSTART_TASK,
+        },
+        extra,
+        "sft",
     )
-    grpo_config = build_config(
+    grpo_config = _stage_config(
         GRPORecipeConfig,
-        merge_dicts(
-            {
-                "output_dir": str(out / "grpo"),
-                "threads": threads,
-                "steps": rl_steps or QUICKSTART_GRPO_STEPS,
-                "model": {"path": str(out / "sft" / "model")},
-                "eval_examples": sft_config.eval_examples,
-            },
-            extra.get("grpo", {}),
-        ),
-        "quickstart grpo",
+        {
+            "output_dir": str(out / "grpo"),
+            "threads": threads,
+            "steps": rl_steps or QUICKSTART_GRPO_STEPS,
+            "model": {"path": str(out / "sft" / "model")},
+            "eval_examples": sft_config.eval_examples,
+        },
+        extra,
+        "grpo",
     )
     print(f"diffusion-rl quickstart → {out}")
     print(f"[1/2] masked-diffusion SFT, {sft_config.steps} steps")
@@ -155,33 +156,29 @@ def run_quickstart_image(
     """Flow SFT then Flow-GRPO on mini-GenEval; ``--set sft.K=V`` / ``grpo.K=V`` as above."""
     out = Path(output_dir)
     extra = _stage_overrides(overrides)
-    sft_config = build_config(
+    sft_config = _stage_config(
         FlowSFTRecipeConfig,
-        merge_dicts(
-            {
-                "output_dir": str(out / "flow_sft"),
-                "steps": steps or QUICKSTART_IMAGE_SFT_STEPS,
-                "threads": threads,
-            },
-            extra.get("sft", {}),
-        ),
-        "quickstart sft",
+        {
+            "output_dir": str(out / "flow_sft"),
+            "steps": steps or QUICKSTART_IMAGE_SFT_STEPS,
+            "threads": threads,
+        },
+        extra,
+        "sft",
     )
-    grpo_config = build_config(
+    grpo_config = _stage_config(
         FlowGRPORecipeConfig,
-        merge_dicts(
-            {
-                **QUICKSTART_IMAGE_GRPO,
-                "output_dir": str(out / "flow_grpo"),
-                "threads": threads,
-                "steps": rl_steps or QUICKSTART_IMAGE_GRPO_STEPS,
-                "model": {"path": str(out / "flow_sft" / "model")},
-                "eval_samples_per_prompt": sft_config.eval_samples_per_prompt,
-                "eval_every": rl_steps or QUICKSTART_IMAGE_GRPO_STEPS,
-            },
-            extra.get("grpo", {}),
-        ),
-        "quickstart grpo",
+        {
+            **QUICKSTART_IMAGE_GRPO,
+            "output_dir": str(out / "flow_grpo"),
+            "threads": threads,
+            "steps": rl_steps or QUICKSTART_IMAGE_GRPO_STEPS,
+            "model": {"path": str(out / "flow_sft" / "model")},
+            "eval_samples_per_prompt": sft_config.eval_samples_per_prompt,
+            "eval_every": rl_steps or QUICKSTART_IMAGE_GRPO_STEPS,
+        },
+        extra,
+        "grpo",
     )
     print(f"diffusion-rl quickstart (image) → {out}")
     print(f"[1/2] rectified-flow SFT of the built-in DiT, {sft_config.steps} steps")

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelRef, TaskSection
 from ..evaluation import ImageEvalResult, evaluate_images, evaluate_task
-from ..models.io import LoadedModel, load_model
+from ..models.io import LoadedModel, load_model, save_model
 from ..plots import save_image_grid
 from ..tasks import get_task
 from ..tasks.geneval import GenEvalTask
@@ -92,6 +92,17 @@ def check_tokenizer(loaded: LoadedModel, task, field: str) -> None:
         raise ConfigError(
             f"{field}: the model uses tokenizer {loaded.tokenizer.name}, the task {task.tokenizer.name}"
         )
+
+
+def save_token_model(directory, model, task, sampler, trained_steps: int) -> None:
+    """The model directory of a token recipe: the model, its tokenizer, the task it was
+    trained on and the ``sampler`` it is served with."""
+    info = {
+        "task": {"name": task.name, **task.config.model_dump()},
+        "sampler": sampler.model_dump(),
+        "trained_steps": trained_steps,
+    }
+    save_model(directory, model, info, task.tokenizer)
 
 
 def evaluate_tokens(model, task, sampler, config, step: int):

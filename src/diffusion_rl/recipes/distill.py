@@ -16,7 +16,6 @@ from typing import Any
 
 from ..config import ConfigError, DistillRecipeConfig
 from ..evaluation import evaluate_task
-from ..models.io import save_model
 from ..objectives.distill import DistillationLoss
 from ..plots import plot_loss_and_accuracy
 from ..rewards import CombinedReward, get_reward
@@ -28,6 +27,7 @@ from .common import (
     check_tokenizer,
     evaluate_tokens,
     load_ref,
+    save_token_model,
     token_task,
     trainer_factory,
     weights_digest,
@@ -122,12 +122,7 @@ class DistillRecipe(OnPolicyRecipe):
         )
 
     def save_model(self, directory) -> None:
-        info = {
-            "task": self.metadata["task"],
-            "sampler": self.eval_sampler.model_dump(),
-            "trained_steps": self.steps_done(),
-        }
-        save_model(directory, self.model, info, self.task.tokenizer)
+        save_token_model(directory, self.model, self.task, self.eval_sampler, self.steps_done())
 
     def results(self, history) -> dict[str, Any]:
         before, after = history[0]["accuracy"], history[-1]["accuracy"]

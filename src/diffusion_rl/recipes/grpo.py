@@ -13,7 +13,6 @@ from typing import Any
 
 from ..advantages import OverlongShaping
 from ..config import GRPORecipeConfig
-from ..models.io import save_model
 from ..objectives.grpo import PolicyLoss
 from ..rewards import CombinedReward, get_reward
 from ..rollout import TokenSource
@@ -24,6 +23,7 @@ from .common import (
     check_tokenizer,
     evaluate_tokens,
     load_ref,
+    save_token_model,
     token_task,
     trainer_factory,
     weights_digest,
@@ -115,12 +115,7 @@ class GRPORecipe(OnPolicyRecipe):
         return record, metrics
 
     def save_model(self, directory) -> None:
-        info = {
-            "task": self.metadata["task"],
-            "sampler": self.eval_sampler.model_dump(),
-            "trained_steps": self.steps_done(),
-        }
-        save_model(directory, self.model, info, self.task.tokenizer)
+        save_token_model(directory, self.model, self.task, self.eval_sampler, self.steps_done())
 
     def results(self, history) -> dict[str, Any]:
         return {

@@ -14,9 +14,15 @@ from typing import Any
 from ..config import SFTRecipeConfig
 from ..contracts import DiffusionTokenBatch
 from ..models import DiffusionTransformer, TransformerConfig
-from ..models.io import save_model
 from ..objectives import MaskedDiffusionSFT
-from .common import check_tokenizer, evaluate_tokens, load_ref, token_task, trainer_factory
+from .common import (
+    check_tokenizer,
+    evaluate_tokens,
+    load_ref,
+    save_token_model,
+    token_task,
+    trainer_factory,
+)
 from .run import Recipe, run
 
 
@@ -92,12 +98,7 @@ class SFTRecipe(Recipe):
         return record, metrics
 
     def save_model(self, directory) -> None:
-        info = {
-            "task": self.metadata["task"],
-            "sampler": self.metadata["sampler"],
-            "trained_steps": self.steps_done(),
-        }
-        save_model(directory, self.model, info, self.task.tokenizer)
+        save_token_model(directory, self.model, self.task, self.sampler, self.steps_done())
 
     def results(self, history) -> dict[str, Any]:
         return {
