@@ -104,7 +104,7 @@ def default_threads(num_parameters: int) -> int:
     """CPU threads for a model of ``num_parameters``: 1 below :data:`SMALL_MODEL_PARAMETERS`
     (measured by ``benchmarks/threads.py`` on 2 cores: SFT of the 0.8 M-parameter built-in
     transformer runs about 2× faster on 1 thread than on 2 or 4; the matrices are too small to
-    split), torch's own default above."""
+    split); above it, the process's current thread count."""
     if num_parameters < SMALL_MODEL_PARAMETERS:
         return 1
     return torch.get_num_threads()
