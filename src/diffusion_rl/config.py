@@ -66,6 +66,10 @@ class RunConfig(BaseModel):
     keep_last: int = Field(default=2, gt=0)
     log_every: int = Field(default=1, gt=0)
     resume: bool = True
+    # Fail loudly: this many consecutive steps skipped for a non-finite loss or gradient abort
+    # the run (0: abort on the first). Zero-weight skips (no signal in a batch) never abort.
+    max_consecutive_skips: int = Field(default=3, ge=0)
+    wandb_project: str | None = None  # also log to Weights & Biases (pip install wandb)
 
 
 ModelKind = Literal["token", "flow"]
