@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 
 import pytest
 import safetensors.torch
@@ -15,6 +17,7 @@ from diffusion_rl.train.checkpoint import (
     CheckpointMismatchError,
     check_model_compatible,
     validate_metadata,
+    verify_files,
 )
 
 
@@ -67,6 +70,7 @@ def test_round_trip_with_tied_weights(tmp_path):
     path = manager.save(7, model, optimizer, state(7), {"model": {"dim": 4}})
     assert path.name == "step_00000007"
     assert sorted(p.name for p in path.iterdir()) == [
+        "manifest.json",
         "metadata.json",
         "model.safetensors",
         "optimizer.pt",
@@ -82,6 +86,44 @@ def test_round_trip_with_tied_weights(tmp_path):
     assert_same_tensors(optimizer.state_dict(), fresh_optimizer.state_dict())
     assert_same_tensors(trainer_state, state(7))
     assert metadata == {"model": {"dim": 4}}
+
+
+def test_manifest_records_size_and_sha256_of_every_file(tmp_path):
+    model, optimizer = trained(0)
+    path = CheckpointManager(tmp_path).save(5, model, optimizer, state(5), {"v": 1})
+    files = {}
+    for name in ["metadata.json", "model.safetensors", "optimizer.pt", "trainer_state.pt"]:
+        data = (path / name).read_bytes()
+        files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    body = {"format": 1, "step": 5, "files": files}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest == {**body, "manifest_sha256": hashlib.sha256(canonical).hexdigest()}
+    assert verify_files(path) == 5
+
+
+def test_has_checkpoints_and_candidate_order(tmp_path):
+    directory = tmp_path / "ckpt"
+    manager = CheckpointManager(directory)
+    assert not manager.has_checkpoints() and manager.candidates() == [] and manager.latest() is None
+    directory.mkdir()
+    (directory / ".tmp-step_00000001-abcdef12").mkdir()  # staging is not a checkpoint
+    manager = CheckpointManager(directory)
+    assert not manager.has_checkpoints() and list(directory.iterdir()) == []  # and is removed
+    model, optimizer = trained(0)
+    for step in (1, 2, 3):
+        manager.save(step, model, optimizer, state(step), {})
+    (directory / "latest").write_text("step_00000002\n")
+    manager.path_for(5).mkdir()  # incomplete: still tried (and reported) by a resume
+    assert manager.candidates() == [manager.path_for(s) for s in (2, 5, 3, 1)]
+    assert manager.latest() == manager.path_for(2)
+    for step in (1, 2, 3, 5):
+        shutil.rmtree(manager.path_for(step))
+    assert manager.has_checkpoints()  # a pointer alone: something was there
+    assert manager.candidates() == [manager.path_for(2)]
+    (directory / "latest").unlink()
+    manager.path_for(7).mkdir()
+    assert manager.has_checkpoints() and manager.latest() is None
 
 
 def test_keep_last_and_latest_pointer(tmp_path):
@@ -218,23 +260,34 @@ def test_validate_metadata_accepts_equal_and_json_normalised():
     validate_metadata({"a": 1, "b": {"betas": (0.9, 0.99)}}, {"a": 1, "b": {"betas": [0.9, 0.99]}})
 
 
-def test_validate_metadata_names_nested_key_expected_and_found():
+def test_validate_metadata_names_nested_key_this_run_and_checkpoint():
     with pytest.raises(CheckpointMismatchError) as info:
         validate_metadata(
             {"model": {"hidden": 32, "vocab": 8}}, {"model": {"hidden": 64, "vocab": 8}}
         )
     message = str(info.value)
-    assert "'model.hidden': expected 32, found 64" in message
+    assert "'model.hidden': this run has 32, the checkpoint has 64" in message
     assert "vocab" not in message
     assert "start a new output directory" in message and "pass the same configuration" in message
 
 
 def test_validate_metadata_missing_and_unexpected_keys():
-    with pytest.raises(CheckpointMismatchError, match=r"'data\.path': missing"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"'data\.path': this run has 'x\.jsonl', the checkpoint has no such key",
+    ):
         validate_metadata({"data": {"path": "x.jsonl", "n": 1}}, {"data": {"n": 1}})
-    with pytest.raises(CheckpointMismatchError, match=r"'extra': not expected, found 3"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"'extra': this run has no such key, the checkpoint has 3"
+    ):
         validate_metadata({"a": 1}, {"a": 1, "extra": 3})
-    with pytest.raises(CheckpointMismatchError, match=r"'flag': expected True, found 1"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"'flag': this run has True, the checkpoint has 1"
+    ):
         validate_metadata({"flag": True}, {"flag": 1})
-    with pytest.raises(CheckpointMismatchError, match=r"'model': expected \{'dim': 4\}, found 4"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"'model': this run has \{'dim': 4\}, the checkpoint has 4"
+    ):
         validate_metadata({"model": {"dim": 4}}, {"model": 4})
+    with pytest.raises(CheckpointMismatchError, match=r"^checkpoint /x/step_00000001: metadata"):
+        validate_metadata({"a": 1}, {"a": 2}, where="/x/step_00000001")

@@ -439,8 +439,10 @@ def test_resume_is_bitwise_exact(tmp_path):
     random.seed(999)
     np.random.seed(999)
     second = fresh_trainer(init_seed=7)
+    assert second.resumed_from is None
     data_state = second.resume(manager, METADATA)
     assert data_state == {"position": 3}
+    assert second.resumed_from == manager.path_for(3)
     assert second.global_step == 3
     run_steps(second, range(data_state["position"], 6))
 
@@ -476,13 +478,18 @@ def test_resume_with_mismatched_metadata_leaves_state_untouched(tmp_path):
     rng_before = torch.get_rng_state()
 
     changed = {"model": {"hidden": 8, "dropout": 0.2}, "data": {"path": "toy"}}
-    with pytest.raises(CheckpointMismatchError, match=r"'model\.hidden': expected 8, found 4"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"'model\.hidden': this run has 8, the checkpoint has 4"
+    ):
         reader.resume(manager, changed)
     missing = {**METADATA, "data": {"path": "toy", "split": "train"}}
-    with pytest.raises(CheckpointMismatchError, match=r"'data\.split': missing"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"'data\.split': this run has 'train', the checkpoint has no"
+    ):
         reader.resume(manager, missing)
     with pytest.raises(
-        CheckpointMismatchError, match=r"'trainer\.optim\.lr': expected 0\.1, found 0\.05"
+        CheckpointMismatchError,
+        match=r"'trainer\.optim\.lr': this run has 0\.1, the checkpoint has 0\.05",
     ):
         other_optim.resume(manager, METADATA)
     assert_bitwise(snapshot(reader), before)

@@ -2,8 +2,11 @@
 plans, roles with versions, checkpoints, metric reduction and logging."""
 
 from diffusion_rl.train.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointDiskFullError,
     CheckpointManager,
     CheckpointMismatchError,
+    NonFiniteStateError,
     validate_metadata,
 )
 from diffusion_rl.train.learner import LearnerPlan, PolicyLearner
@@ -14,6 +17,8 @@ from diffusion_rl.train.roles import PolicyRoles, StaleTraceError
 from diffusion_rl.train.trainer import LossFn, OptimConfig, StepResult, Trainer, lr_factor
 
 __all__ = [
+    "CheckpointCorruptError",
+    "CheckpointDiskFullError",
     "CheckpointManager",
     "CheckpointMismatchError",
     "DistillationPlan",
@@ -21,6 +26,7 @@ __all__ = [
     "LearnerPlan",
     "LossFn",
     "MetricsLogger",
+    "NonFiniteStateError",
     "OptimConfig",
     "PolicyLearner",
     "PolicyRoles",

@@ -20,6 +20,8 @@ Invariants of :meth:`Trainer.train_step`:
 Resume is exact: N steps straight equal N/2 steps, save, a fresh ``Trainer`` + :meth:`resume`,
 N/2 steps, bitwise on CPU (model, optimizer, scheduler, counters, torch / Python / NumPy RNGs
 and the trainer's generator are all restored).
+Resume verifies each checkpoint (manifest hashes, readability, finiteness) and falls back,
+with a warning, to the newest intact one; a configuration mismatch stops at once.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,12 +44,14 @@ from torch.utils import _pytree as pytree
 
 from diffusion_rl.contracts import Extreme, LossOutput, WeightedMetric
 from diffusion_rl.train.checkpoint import (
+    TRAINER_STATE_FILE,
+    CheckpointCorruptError,
     CheckpointManager,
     CheckpointMismatchError,
+    LoadedCheckpoint,
     check_model_compatible,
     load_weights,
-    read_metadata,
-    read_state,
+    read_checkpoint,
     validate_metadata,
 )
 from diffusion_rl.train.metrics import reduce_metrics, reduce_weighted
@@ -73,19 +78,29 @@ class OptimConfig(BaseModel):
     optimizer step s), then constant, or linear / cosine decay from ``lr`` to
     ``lr * min_lr_ratio`` at ``total_steps`` (required for those two). ``grad_clip=None``
     disables clipping (the norm is still reported).
+
+    Strict types: every float is finite (no nan / inf), ints are ints (``true`` is not a
+    step count), bools are bools.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    grad_clip: float | None = Field(1.0, gt=0)
+    lr: float = Field(1e-3, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    betas: tuple[float, float] = Field((0.9, 0.999), strict=False)  # YAML gives a list
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
+    grad_clip: float | None = Field(1.0, gt=0, allow_inf_nan=False)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     total_steps: int | None = Field(None, ge=1)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_are_numbers(cls, betas: Any) -> Any:
+        if isinstance(betas, (list, tuple)) and any(isinstance(b, bool) for b in betas):
+            raise ValueError(f"expected two numbers in [0, 1), got {list(betas)}")
+        return betas
 
     @field_validator("betas")
     @classmethod
@@ -138,8 +153,8 @@ def _python_rng_state() -> dict[str, Any]:
     return {"version": version, "state": list(internal), "gauss_next": gauss_next}
 
 
-def _set_python_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate((state["version"], tuple(state["state"]), state["gauss_next"]))
+def _python_rng_tuple(state: Mapping[str, Any]) -> tuple:
+    return (state["version"], tuple(state["state"]), state["gauss_next"])
 
 
 def _numpy_rng_state() -> dict[str, Any]:
@@ -153,11 +168,12 @@ def _numpy_rng_state() -> dict[str, Any]:
     }
 
 
-def _set_numpy_rng_state(state: Mapping[str, Any]) -> None:
+def _numpy_rng_tuple(state: Mapping[str, Any]) -> tuple:
     keys = np.asarray(state["keys"], dtype=np.uint32)
-    np.random.set_state(
-        (state["name"], keys, state["pos"], state["has_gauss"], state["cached_gaussian"])
-    )
+    return (state["name"], keys, state["pos"], state["has_gauss"], state["cached_gaussian"])
+
+
+_COUNTERS = ("global_step", "optimizer_steps", "skipped_zero_weight", "skipped_nonfinite")
 
 
 class Trainer:
@@ -227,6 +243,7 @@ class Trainer:
         self.optimizer_steps = 0
         self.skipped_zero_weight = 0
         self.skipped_nonfinite = 0
+        self.resumed_from: Path | None = None  # the checkpoint the last resume() used
 
     # ------------------------------------------------------------------------- training
     def train_step(self, micro_batches: Sequence[Any], loss_fn: LossFn | None = None) -> StepResult:
@@ -415,44 +432,135 @@ class Trainer:
         )
 
     def resume(
-        self, manager_or_path: CheckpointManager | str | Path, expected_metadata: Mapping[str, Any]
+        self,
+        manager_or_path: CheckpointManager | str | Path,
+        expected_metadata: Mapping[str, Any],
+        *,
+        warn: Callable[[str], Any] | None = None,
     ) -> dict[str, Any]:
-        """Restore everything from a checkpoint; return the saved ``data_state``.
+        """Restore everything from the newest usable checkpoint; return its ``data_state``.
 
-        ``manager_or_path``: a manager (its :meth:`~CheckpointManager.latest`) or a checkpoint
-        directory. Metadata, weights and optimizer state are all checked before any state is
-        modified; a mismatch raises :class:`CheckpointMismatchError` and leaves the trainer
-        untouched.
+        ``manager_or_path``: a manager (its :meth:`~CheckpointManager.candidates`: the
+        ``latest`` pointer's target, then every ``step_*`` directory by descending step) or
+        one checkpoint directory. Each candidate is verified completely before any state is
+        modified (:func:`~diffusion_rl.train.checkpoint.read_checkpoint`: manifest, hashes,
+        readability, finiteness; a well-formed trainer state), then checked against this run
+        (metadata, weights, optimizer layout):
+
+        * damaged (:class:`CheckpointCorruptError`): reported through ``warn`` (default
+          :func:`warnings.warn`) as ``"skipping checkpoint PATH: FILE: REASON"``, and the next
+          older one is tried. When none is usable, :class:`CheckpointCorruptError` lists each
+          with its reason (for a single directory: that directory's error). Never a silent
+          start from zero.
+        * intact but not this run's (:class:`CheckpointMismatchError`: the configuration, the
+          model or the optimizer changed): raised at once, no fallback.
+
+        Afterwards ``self.resumed_from`` is the checkpoint used. Whenever this raises, the
+        trainer (and every RNG) is untouched.
         """
         if isinstance(manager_or_path, CheckpointManager):
-            path = manager_or_path.latest()
-            if path is None:
+            candidates = manager_or_path.candidates()
+            if not candidates:
                 raise FileNotFoundError(f"no checkpoint to resume in {manager_or_path.directory}")
         else:
-            path = Path(manager_or_path)
-        validate_metadata(self.full_metadata(expected_metadata), read_metadata(path))
-        state, optimizer_state = read_state(path)
-        if state.get("format") != _STATE_FORMAT:
+            candidates = [Path(manager_or_path)]
+        expected = self.full_metadata(expected_metadata)
+        names = self._optimizer_param_names()
+        skipped: list[CheckpointCorruptError] = []
+        for path in candidates:
+            try:
+                checkpoint = read_checkpoint(path, names)
+                if checkpoint.trainer_state.get("format") == _STATE_FORMAT:
+                    self._check_trainer_state(checkpoint)
+            except CheckpointCorruptError as error:
+                if not isinstance(manager_or_path, CheckpointManager):
+                    raise
+                skipped.append(error)
+                (warn or _warn_skipped)(f"skipping {error}")
+                continue
+            saved_dtypes = self._check_fits(checkpoint, expected)
+            self._restore(checkpoint, saved_dtypes)
+            self.resumed_from = checkpoint.path
+            return dict(checkpoint.trainer_state["data_state"])
+        lines = "\n  ".join(
+            f"{error.path.name}: {error.file + ': ' if error.file else ''}{error.reason}"
+            for error in skipped
+        )
+        raise CheckpointCorruptError(
+            manager_or_path.directory,
+            None,
+            f"no usable checkpoint ({len(skipped)} tried, every one damaged):\n  {lines}\n"
+            "Nothing was loaded. Restore the damaged files from a backup, or move this "
+            "directory away to start from step 0.",
+            problems=skipped,
+        )
+
+    def _optimizer_param_names(self) -> list[str]:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return [self._param_names.get(id(p), f"#{i}") for i, p in enumerate(params)]
+
+    def _check_trainer_state(self, checkpoint: LoadedCheckpoint) -> None:
+        """Raise :class:`CheckpointCorruptError` unless the trainer state would restore: its
+        counters are ints >= 0 (``global_step`` the manifest's step) and every RNG state is
+        accepted by a scratch generator of its kind. Modifies nothing."""
+        state = checkpoint.trainer_state
+
+        def corrupt(reason: str) -> CheckpointCorruptError:
+            return CheckpointCorruptError(checkpoint.path, TRAINER_STATE_FILE, reason)
+
+        for key in _COUNTERS:
+            value = state.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise corrupt(f"{key!r}: expected an int >= 0, got {value!r}")
+        if state["global_step"] != checkpoint.step:
+            raise corrupt(
+                f"'global_step' is {state['global_step']}, but the manifest says step "
+                f"{checkpoint.step}"
+            )
+        for key in ("scheduler", "rng", "data_state"):
+            if not isinstance(state.get(key), dict):
+                raise corrupt(f"{key!r}: expected a dict, got {type(state.get(key)).__name__}")
+        rng = state["rng"]
+        try:
+            torch.Generator().set_state(rng["torch"])
+            torch.Generator().set_state(rng["generator"])
+            random.Random().setstate(_python_rng_tuple(rng["python"]))
+            np.random.RandomState().set_state(_numpy_rng_tuple(rng["numpy"]))
+        except Exception as error:  # KeyError, TypeError, ValueError, RuntimeError
+            raise corrupt(f"malformed RNG state ({type(error).__name__}: {error})") from error
+
+    def _check_fits(
+        self, checkpoint: LoadedCheckpoint, expected: Mapping[str, Any]
+    ) -> dict[tuple[int, str], torch.dtype]:
+        """Raise :class:`CheckpointMismatchError` unless the checkpoint is this run's (metadata,
+        state format, weights, optimizer layout); return the saved optimizer dtypes."""
+        path = checkpoint.path
+        validate_metadata(expected, checkpoint.metadata, where=path)
+        found = checkpoint.trainer_state.get("format")
+        if found != _STATE_FORMAT:
             raise CheckpointMismatchError(
-                f"checkpoint {path}: trainer_state format {state.get('format')!r}, "
-                f"this version reads format {_STATE_FORMAT}"
+                f"checkpoint {path}: trainer_state format {found!r}, this version reads format "
+                f"{_STATE_FORMAT}"
             )
         check_model_compatible(path, self.model)
-        saved_dtypes = self._check_optimizer_state(path, optimizer_state)
+        return self._check_optimizer_state(path, checkpoint.optimizer_state)
 
-        load_weights(path, self.model)
-        self.optimizer.load_state_dict(optimizer_state)
+    def _restore(
+        self, checkpoint: LoadedCheckpoint, saved_dtypes: Mapping[tuple[int, str], torch.dtype]
+    ) -> None:
+        """Apply a verified, fitting checkpoint (the only step that modifies state)."""
+        state = checkpoint.trainer_state
+        load_weights(checkpoint.path, self.model)
+        self.optimizer.load_state_dict(checkpoint.optimizer_state)
         self._verify_optimizer_dtypes(saved_dtypes)
         self.scheduler.load_state_dict(state["scheduler"])
-        self.global_step = state["global_step"]
-        self.optimizer_steps = state["optimizer_steps"]
-        self.skipped_zero_weight = state["skipped_zero_weight"]
-        self.skipped_nonfinite = state["skipped_nonfinite"]
+        for key in _COUNTERS:
+            setattr(self, key, state[key])
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         self.generator.set_state(rng["generator"])
-        _set_python_rng_state(rng["python"])
-        _set_numpy_rng_state(rng["numpy"])
+        random.setstate(_python_rng_tuple(rng["python"]))
+        np.random.set_state(_numpy_rng_tuple(rng["numpy"]))
         cuda_states = rng.get("cuda")
         if (
             cuda_states
@@ -460,7 +568,6 @@ class Trainer:
             and len(cuda_states) == torch.cuda.device_count()
         ):
             torch.cuda.set_rng_state_all(cuda_states)
-        return dict(state["data_state"])
 
     def _check_optimizer_state(
         self, path: Path, optimizer_state: Mapping[str, Any]
@@ -478,7 +585,12 @@ class Trainer:
         by_id = dict(zip(saved_ids, range(len(params))))
         dtypes: dict[tuple[int, str], torch.dtype] = {}
         for saved_id, entry in optimizer_state["state"].items():
-            index = by_id[saved_id]
+            index = by_id.get(saved_id)
+            if index is None:
+                raise CheckpointMismatchError(
+                    f"checkpoint {path}: optimizer state for parameter id {saved_id!r}, which "
+                    f"no parameter group lists (ids {saved_ids})"
+                )
             param = params[index]
             for key, value in entry.items():
                 if not isinstance(value, torch.Tensor):
@@ -505,3 +617,7 @@ class Trainer:
                     f"optimizer state {key!r} of parameter #{index} loaded as {loaded}, saved as "
                     f"{dtype}: optimizer state must keep its dtypes across resumes"
                 )
+
+
+def _warn_skipped(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
