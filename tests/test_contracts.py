@@ -16,6 +16,7 @@ from diffusion_rl.contracts import (
     LossOutput,
     WeightedMetric,
     validate_diffusion_logits,
+    validate_target_aligned_logits,
 )
 
 B, L, V = 3, 4, 5
@@ -80,10 +81,22 @@ def test_target_ids_non_integer_dtype(dtype):
         _batch(target_ids=torch.zeros(B, L, dtype=dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
-def test_target_ids_integer_dtypes_accepted(dtype):
-    batch = _batch(target_ids=torch.zeros(B, L, dtype=dtype))
-    assert batch.target_ids.dtype == dtype
+def test_target_ids_int64_accepted():
+    batch = _batch(target_ids=torch.zeros(B, L, dtype=torch.int64))
+    assert batch.target_ids.dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_target_ids_narrow_integer_dtypes_refused(dtype):
+    """The kernels gather with the ids: int64 only (uint8 ids would fail inside ``gather``)."""
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            f"{TB}.target_ids: expected int64 (torch.long) ids, got {dtype}; the kernels gather "
+            "with int64 indices: convert with .long()"
+        ),
+    ):
+        _batch(target_ids=torch.zeros(B, L, dtype=dtype))
 
 
 @pytest.mark.parametrize("shape", [(B * L,), (B, L, 1), ()])
@@ -277,8 +290,22 @@ def test_model_inputs_nested_mappings_converted_to_plain_dicts():
     assert batch.model_inputs["input_ids"] is outer["input_ids"]
 
 
-def test_empty_model_inputs_accepted():
-    assert _batch(model_inputs={}).model_inputs == {}
+@pytest.mark.parametrize("inputs", [{}, {"a": {}}, {"a": {"b": {}}, "c": {}}])
+def test_model_inputs_without_a_tensor_refused(inputs):
+    with pytest.raises(
+        ValueError, match=re.escape(f"{TB}.model_inputs: expected at least one tensor, got none")
+    ):
+        _batch(model_inputs=inputs)
+
+
+def test_self_referencing_model_inputs_refused_not_recursion():
+    inputs = {"ids": torch.zeros(B)}
+    inputs["loop"] = {"back": inputs}
+    with pytest.raises(ValueError, match=re.escape(f"{TB}.model_inputs.loop.back: refers back")):
+        _batch(model_inputs=inputs)
+    shared = {"t": torch.zeros(B)}  # the same mapping twice is a DAG, not a cycle: accepted
+    batch = _batch(model_inputs={"a": shared, "b": shared})
+    assert batch.model_inputs["a"]["t"] is batch.model_inputs["b"]["t"]
 
 
 # ===================================================================== logits rules
@@ -361,6 +388,18 @@ def test_logits_inactive_target_out_of_vocabulary_accepted():
     )
 
 
+def test_target_aligned_logits_check_on_a_slice_of_slots():
+    targets = _targets()
+    targets[0, 1] = V + 3  # out of vocabulary, only an error where active
+    active = torch.zeros(B, L, dtype=torch.bool)
+    validate_target_aligned_logits(targets[:, 1:3], active[:, 1:3], torch.zeros(B, 2, V))
+    active[0, 1] = True
+    with pytest.raises(ValueError, match=re.escape(f"got maximum {V + 3}")):
+        validate_target_aligned_logits(targets[:, 1:3], active[:, 1:3], torch.zeros(B, 2, V))
+    with pytest.raises(ValueError, match=re.escape("logits: expected [B, L] = (3, 2)")):
+        validate_target_aligned_logits(targets[:, 1:3], active[:, 1:3], torch.zeros(B, 3, V))
+
+
 def test_logits_all_inactive_accepted():
     targets = torch.full((B, L), 10 * V, dtype=torch.long)
     batch = _batch(target_ids=targets, loss_weights=torch.zeros(B, L))
@@ -421,11 +460,11 @@ def test_negative_int_index_selects_last_row():
 def test_concat_rejects_different_lengths():
     a = _batch()
     b = DiffusionTokenBatch(
-        {},
+        {"x": torch.zeros(2)},
         torch.zeros(2, a.target_ids.shape[1] + 1, dtype=torch.long),
         torch.ones(2, a.target_ids.shape[1] + 1),
     )
-    a = DiffusionTokenBatch({}, a.target_ids, a.loss_weights)
+    a = DiffusionTokenBatch({"x": torch.zeros(B)}, a.target_ids, a.loss_weights)
     with pytest.raises(ValueError, match="concat: batch 1 has a leaf of shape"):
         DiffusionTokenBatch.concat([a, b])
 

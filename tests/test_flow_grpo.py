@@ -156,11 +156,12 @@ def flow_loss(loss, logp, *, advantages, old=None, mean=None, ref=None, std=None
     rows = logp.shape[0]
     zeros = torch.zeros(rows)
     behaviour = logp.detach() if old is None else old
+    latent = (rows, *ref.shape[1:]) if ref is not None else (rows, 1)  # ref_means: latents' shape
     step = FlowStepBatch(
         step=0,
         rows=torch.arange(rows),
-        latents=torch.zeros(rows, 1),
-        next_latents=torch.zeros(rows, 1),
+        latents=torch.zeros(latent),
+        next_latents=torch.zeros(latent),
         sigma=batch.pop("sigma", zeros),
         sigma_next=batch.pop("sigma_next", zeros),
         cond={"label": torch.zeros(rows, dtype=torch.long)},

@@ -245,8 +245,12 @@ def test_trace_rows_and_concat_round_trip():
     assert torch.equal(joined.cond["label"], trace.cond["label"])
     assert joined.forward_groups.tolist() == [0, 0, 1, 1]  # separate sampler batches stay apart
     assert trace.rows(torch.tensor([False, True, False, True])).prompts == ["3", "7"]
-    moved = trace.to("meta")
-    assert moved.latents.device.type == moved.cond["label"].device.type == "meta"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    moved = trace.to(device)
+    assert moved.latents.device.type == moved.cond["label"].device.type == device
+    assert torch.equal(moved.latents.cpu(), trace.latents)
+    with pytest.raises(TypeError, match=r"FlowTrace\.latents: got a tensor on the meta device"):
+        trace.to("meta")  # a trace must hold values: meta tensors are refused
     other = sample_flow(model, PROMPTS, config(num_steps=5), seeds=range(4), capture=True).trace
     with pytest.raises(ValueError, match="sampler"):
         FlowTrace.concat([trace, other])

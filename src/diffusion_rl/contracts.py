@@ -15,11 +15,16 @@ that names the field, what was expected and what was found.
   group at one SDE step (docs/math.md §5).
 * :class:`Extreme` — an aux metric reduced by max or min over micro-batches (a true extreme,
   not a mean of per-micro-batch extremes).
+
+Every tensor a contract holds is *dense* (strided layout) and holds values (not on the meta
+device): sparse, nested and meta tensors are refused with a ``TypeError`` naming the field.
+Python numbers must fit a float (``10**400`` is refused, not an ``OverflowError``).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +40,12 @@ __all__ = [
     "FlowStepBatch",
     "LossOutput",
     "WeightedMetric",
+    "all_finite",
+    "check_conditioning",
+    "require_dense_tensor",
+    "sum_is_finite",
     "validate_diffusion_logits",
+    "validate_target_aligned_logits",
 ]
 
 Conditioning = dict[str, torch.Tensor]
@@ -48,15 +58,116 @@ def _is_integer_dtype(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
-def _iter_leaves(tree: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
+def require_dense_tensor(name: str, value: Any) -> torch.Tensor:
+    """``value`` if it is a dense tensor that holds values; else a ``TypeError`` naming ``name``.
+
+    Refused: non-tensors, sparse / nested / other non-strided layouts (the kernels index them
+    densely) and meta tensors (shape only, no values: every value check would be vacuous).
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(
+            f"{name}: expected a dense (strided) tensor, got layout {value.layout}; "
+            "convert it with .to_dense()"
+        )
+    if value.is_meta:
+        raise TypeError(
+            f"{name}: got a tensor on the meta device, which holds no values; "
+            "materialise it on cpu or cuda first"
+        )
+    return value
+
+
+def sum_is_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """Scalar bool tensor (no host sync): the sum of a floating ``tensor`` is finite.
+
+    True implies every element is finite (a NaN or ±inf element makes any sum non-finite);
+    False may also be an overflow of large finite values, so confirm with ``torch.isfinite``.
+    One reduction, several times cheaper than ``torch.isfinite(tensor).all()`` on the CPU.
+    """
+    accumulate = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    return torch.isfinite(torch.sum(tensor, dtype=accumulate))
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Every element of a floating ``tensor`` is finite (fast path: :func:`sum_is_finite`)."""
+    return bool(sum_is_finite(tensor)) or bool(torch.isfinite(tensor).all())
+
+
+def _describe_number(value: int | float) -> str:
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    return repr(value)
+
+
+def _as_float(name: str, value: int | float) -> float:
+    """A Python number as a float; ``ValueError`` naming ``name`` when it overflows."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(
+            f"{name}: {_describe_number(value)} does not fit a float (max "
+            f"{sys.float_info.max:.3g}); pass a finite value in float range"
+        ) from None
+
+
+def _check_tree(name: str, value: Any, path: tuple[int, ...] = ()) -> None:
+    """``ValueError`` naming ``name`` if ``value`` (a container) contains itself."""
+    if id(value) in path:
+        raise ValueError(
+            f"{name}: refers back to a container that encloses it (a self-referencing "
+            "structure); model_inputs must be a tree of mappings with tensor leaves"
+        )
+    if isinstance(value, Mapping):
+        children = value.values()
+    elif isinstance(value, (list, tuple)):
+        children = value
+    else:
+        return
+    for k, child in enumerate(children):
+        _check_tree(f"{name}[{k}]", child, (*path, id(value)))
+
+
+def _iter_leaves(
+    tree: Mapping[str, Any], prefix: str, path: tuple[int, ...] = ()
+) -> Iterator[tuple[str, Any]]:
+    """``(dotted name, leaf)`` of every non-mapping value; ``path``: ids of the enclosing
+    mappings, so a mapping that contains itself is a ``ValueError``, not a RecursionError."""
+    path = (*path, id(tree))
     for key, value in tree.items():
-        name = f"{prefix}.{key}"
         if not isinstance(key, str):
             raise TypeError(f"{prefix}: keys must be str, got {type(key).__name__} {key!r}")
+        name = f"{prefix}.{key}"
+        if id(value) in path:
+            raise ValueError(
+                f"{name}: refers back to a mapping that encloses it (a self-referencing "
+                "model_inputs); model_inputs must be a tree of mappings with tensor leaves"
+            )
         if isinstance(value, Mapping):
-            yield from _iter_leaves(value, name)
+            yield from _iter_leaves(value, name, path)
         else:
             yield name, value
+
+
+def check_conditioning(name: str, cond: Any, rows: int, *, finite: bool = True) -> None:
+    """A :data:`Conditioning`: a non-empty dict, str keys, dense batch-first tensors
+    ``[rows, ...]``; with ``finite``, floating entries finite. Errors name ``name[key]``."""
+    if not isinstance(cond, dict):
+        raise TypeError(f"{name}: expected a dict of tensors, got {type(cond).__name__}")
+    if not cond:
+        raise ValueError(f"{name}: expected at least one tensor, got an empty dict")
+    for key, value in cond.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name}: keys must be str, got {type(key).__name__} {key!r}")
+        entry = f"{name}[{key!r}]"
+        require_dense_tensor(entry, value)
+        if value.dim() == 0 or value.shape[0] != rows:
+            raise ValueError(
+                f"{entry}: expected a batch-first tensor [B={rows}, ...], got {tuple(value.shape)}"
+            )
+        if finite and value.dtype.is_floating_point and not all_finite(value):
+            raise ValueError(f"{entry}: expected finite values, got NaN/inf")
 
 
 def _map_leaves(tree: Mapping[str, Any], fn) -> dict[str, Any]:
@@ -73,11 +184,11 @@ class DiffusionTokenBatch:
 
     Fields (B rows, L target slots):
 
-    * ``model_inputs``: mapping (nested mappings allowed) of tensors, each batch-major
-      (rank >= 1, leading dim B). Static settings (temperature, block size, ...) belong to the
-      scorer, not here, so scalars are rejected.
-    * ``target_ids``: integer ``[B, L]``. Inactive slots may hold sentinel ids (e.g. -1);
-      active ids are >= 0.
+    * ``model_inputs``: mapping (nested mappings allowed, no cycles) of tensors, each
+      batch-major (rank >= 1, leading dim B), at least one. Static settings (temperature,
+      block size, ...) belong to the scorer, not here, so scalars are rejected.
+    * ``target_ids``: int64 ``[B, L]`` (the kernels ``gather`` with them). Inactive slots may
+      hold sentinel ids (e.g. -1); active ids are >= 0.
     * ``loss_weights``: ``[B, L]``, bool/int/float, finite and >= 0. A slot is *active* iff its
       weight != 0; fractional weights are allowed.
 
@@ -91,23 +202,22 @@ class DiffusionTokenBatch:
 
     def __post_init__(self) -> None:
         targets, weights = self.target_ids, self.loss_weights
-        if not isinstance(targets, torch.Tensor):
-            raise TypeError(
-                f"DiffusionTokenBatch.target_ids: expected a torch.Tensor, got {type(targets).__name__}"
-            )
+        require_dense_tensor("DiffusionTokenBatch.target_ids", targets)
         if not _is_integer_dtype(targets.dtype):
             raise TypeError(
                 f"DiffusionTokenBatch.target_ids: expected an integer dtype, got {targets.dtype}"
+            )
+        if targets.dtype != torch.int64:
+            raise TypeError(
+                f"DiffusionTokenBatch.target_ids: expected int64 (torch.long) ids, got "
+                f"{targets.dtype}; the kernels gather with int64 indices: convert with .long()"
             )
         if targets.dim() != 2:
             raise ValueError(
                 "DiffusionTokenBatch.target_ids: expected rank 2 [B, L], "
                 f"got rank {targets.dim()} shape {tuple(targets.shape)}"
             )
-        if not isinstance(weights, torch.Tensor):
-            raise TypeError(
-                f"DiffusionTokenBatch.loss_weights: expected a torch.Tensor, got {type(weights).__name__}"
-            )
+        require_dense_tensor("DiffusionTokenBatch.loss_weights", weights)
         if not (weights.dtype.is_floating_point or weights.dtype in _WEIGHT_DTYPES):
             raise TypeError(
                 "DiffusionTokenBatch.loss_weights: expected a bool, integer or floating dtype, "
@@ -118,7 +228,7 @@ class DiffusionTokenBatch:
                 "DiffusionTokenBatch.loss_weights: expected the shape of target_ids "
                 f"{tuple(targets.shape)}, got {tuple(weights.shape)}"
             )
-        if weights.dtype.is_floating_point and not bool(torch.isfinite(weights).all()):
+        if weights.dtype.is_floating_point and not all_finite(weights):
             raise ValueError(
                 "DiffusionTokenBatch.loss_weights: expected finite values, got NaN/inf"
             )
@@ -138,10 +248,11 @@ class DiffusionTokenBatch:
                 "DiffusionTokenBatch.model_inputs: expected a mapping of tensors, "
                 f"got {type(self.model_inputs).__name__}"
             )
-        batch = targets.shape[0]
+        batch, tensors = targets.shape[0], 0
         for name, leaf in _iter_leaves(self.model_inputs, "DiffusionTokenBatch.model_inputs"):
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(leaf).__name__}")
+            _check_tree(name, leaf)
+            require_dense_tensor(name, leaf)
+            tensors += 1
             if leaf.dim() == 0:
                 raise ValueError(
                     f"{name}: expected a batch-major tensor (rank >= 1, leading dim {batch}), "
@@ -152,6 +263,11 @@ class DiffusionTokenBatch:
                     f"{name}: expected leading dim B={batch} (from target_ids), got shape "
                     f"{tuple(leaf.shape)}"
                 )
+        if tensors == 0:
+            raise ValueError(
+                "DiffusionTokenBatch.model_inputs: expected at least one tensor, got none; the "
+                "scorer reads the model's inputs from here (e.g. prompt_ids, completion_ids)"
+            )
         object.__setattr__(self, "model_inputs", _as_plain_dict(self.model_inputs))
 
     # ----------------------------------------------------------------- views and moves
@@ -242,15 +358,23 @@ pytree.register_pytree_node(
 
 def validate_diffusion_logits(batch: DiffusionTokenBatch, logits: torch.Tensor) -> None:
     """Check target-aligned logits ``[B, L, V]`` against ``batch`` (called at every scoring)."""
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
+    validate_target_aligned_logits(batch.target_ids, batch.active, logits)
+
+
+def validate_target_aligned_logits(
+    target_ids: torch.Tensor, active: torch.Tensor, logits: torch.Tensor
+) -> None:
+    """Check logits ``[B, L, V]`` against ``target_ids [B, L]`` and the bool ``active [B, L]``
+    slots (whose ids must be < V): what :func:`validate_diffusion_logits` checks, for a scorer
+    that holds the targets of a slice of slots rather than a whole batch."""
+    require_dense_tensor("logits", logits)
     if logits.dim() != 3:
         raise ValueError(
             f"logits: expected rank 3 [B, L, V], got rank {logits.dim()} shape {tuple(logits.shape)}"
         )
-    if tuple(logits.shape[:2]) != tuple(batch.target_ids.shape):
+    if tuple(logits.shape[:2]) != tuple(target_ids.shape):
         raise ValueError(
-            f"logits: expected [B, L] = {tuple(batch.target_ids.shape)} (target_ids), "
+            f"logits: expected [B, L] = {tuple(target_ids.shape)} (target_ids), "
             f"got {tuple(logits.shape[:2])}"
         )
     vocab = logits.shape[2]
@@ -258,7 +382,7 @@ def validate_diffusion_logits(batch: DiffusionTokenBatch, logits: torch.Tensor) 
         raise ValueError(f"logits: expected vocabulary size V >= 1, got {vocab}")
     if not logits.dtype.is_floating_point:
         raise TypeError(f"logits: expected a floating dtype, got {logits.dtype}")
-    active_targets = batch.target_ids[batch.active]
+    active_targets = target_ids[active]
     if active_targets.numel() and int(active_targets.max()) >= vocab:
         raise ValueError(
             f"target_ids: active ids must be < V={vocab} (logits vocabulary), "
@@ -273,7 +397,8 @@ def _check_bound(name: str, value: float | None) -> None:
         raise TypeError(
             f"WeightedMetric.{name}: expected a float or None, got {type(value).__name__}"
         )
-    if not math.isfinite(value) or value < 0:
+    number = _as_float(f"WeightedMetric.{name}", value)
+    if not math.isfinite(number) or number < 0:
         raise ValueError(f"WeightedMetric.{name}: expected a finite value >= 0, got {value}")
 
 
@@ -282,7 +407,9 @@ class WeightedMetric:
     """A weighted mean kept as ``sum / denominator`` so it can be reduced globally.
 
     ``value = sum / d'`` with ``d' = max(denominator + eps, min_denom)``, and 0 when ``d' == 0``
-    (never NaN). ``sum`` may carry a graph; ``denominator`` is a constant.
+    (never NaN). ``sum`` may carry a graph; ``denominator`` is a constant, finite and >= 0.
+    A Python number is converted to a tensor and must be finite; a *tensor* ``sum`` may be
+    NaN/inf (a diverged micro-batch: the trainer detects it and skips the step).
     """
 
     sum: torch.Tensor
@@ -298,8 +425,15 @@ class WeightedMetric:
                     f"WeightedMetric.{name}: expected a scalar tensor or number, got {type(value).__name__}"
                 )
             if not isinstance(value, torch.Tensor):
-                object.__setattr__(self, name, torch.tensor(float(value)))
-            elif value.numel() != 1:
+                number = _as_float(f"WeightedMetric.{name}", value)
+                if not math.isfinite(number):
+                    raise ValueError(
+                        f"WeightedMetric.{name}: expected a finite number, got {number}"
+                    )
+                object.__setattr__(self, name, torch.tensor(number))
+                continue
+            require_dense_tensor(f"WeightedMetric.{name}", value)
+            if value.numel() != 1:
                 raise ValueError(
                     f"WeightedMetric.{name}: expected a scalar, got shape {tuple(value.shape)}"
                 )
@@ -335,7 +469,10 @@ class WeightedMetric:
 
 @dataclass(frozen=True)
 class Extreme:
-    """A diagnostic reduced over micro-batches by ``kind`` (``"max"`` or ``"min"``)."""
+    """A diagnostic reduced over micro-batches by ``kind`` (``"max"`` or ``"min"``).
+
+    ``value``: a scalar tensor (dense) or a Python number that fits a float; NaN/inf are
+    allowed (an extreme of a diverged micro-batch is still a diagnostic)."""
 
     value: torch.Tensor | float
     kind: str = "max"
@@ -346,7 +483,11 @@ class Extreme:
         value = self.value
         if isinstance(value, bool) or not isinstance(value, (torch.Tensor, int, float)):
             raise TypeError(f"Extreme.value: expected a scalar, got {type(value).__name__}")
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
+        if not isinstance(value, torch.Tensor):
+            _as_float("Extreme.value", value)
+            return
+        require_dense_tensor("Extreme.value", value)
+        if value.numel() != 1:
             raise ValueError(f"Extreme.value: expected a scalar, got shape {tuple(value.shape)}")
 
 
@@ -372,11 +513,18 @@ class LossOutput:
                 f"LossOutput.aux_metrics: expected a mapping, got {type(self.aux_metrics).__name__}"
             )
         for key, value in self.aux_metrics.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"LossOutput.aux_metrics: keys must be str (metric names), got "
+                    f"{type(key).__name__} {key!r}"
+                )
             if isinstance(value, (WeightedMetric, Extreme)):
                 continue
             if isinstance(value, torch.Tensor) and value.numel() == 1:
+                require_dense_tensor(f"LossOutput.aux_metrics[{key!r}]", value)
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
+                _as_float(f"LossOutput.aux_metrics[{key!r}]", value)
                 continue
             raise TypeError(
                 f"LossOutput.aux_metrics[{key!r}]: expected a WeightedMetric, an Extreme or a scalar, "
@@ -411,11 +559,7 @@ class DiffusionDistillationBatch:
                 f"got {type(self.student_batch).__name__}"
             )
         logits = self.teacher_logits
-        if not isinstance(logits, torch.Tensor):
-            raise TypeError(
-                "DiffusionDistillationBatch.teacher_logits: expected a torch.Tensor, "
-                f"got {type(logits).__name__}"
-            )
+        require_dense_tensor("DiffusionDistillationBatch.teacher_logits", logits)
         try:
             validate_diffusion_logits(self.student_batch, logits)
         except (TypeError, ValueError) as error:  # name the field: "logits: ..." → ours
@@ -515,7 +659,10 @@ class FlowStepBatch:
       by the learner, ``old_logprobs [b]`` (start-of-step snapshot, μ > 1) and
       ``ref_means [b, *latent]`` (the reference's step means, β > 0)
 
-    Registered as a pytree, so the trainer moves every tensor to its device.
+    Checked at construction: kinds, dtypes (integer ``step`` / ``rows``, floating values) and
+    shapes; values are not (a diverged model's NaN scores must reach the trainer's skip
+    logic, and the trace the batch came from was checked already). Registered as a pytree,
+    so the trainer moves every tensor to its device.
     """
 
     step: int
@@ -531,6 +678,59 @@ class FlowStepBatch:
     weights: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_means: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        owner = "FlowStepBatch"
+        step = self.step
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"{owner}.step: expected an int step index, got {type(step).__name__}")
+        if step < 0:
+            raise ValueError(f"{owner}.step: expected a step index >= 0, got {step}")
+        rows = require_dense_tensor(f"{owner}.rows", self.rows)
+        if rows.dtype != torch.int64:
+            raise TypeError(f"{owner}.rows: expected int64 row indices, got {rows.dtype}")
+        if rows.dim() != 1:
+            raise ValueError(f"{owner}.rows: expected shape [b], got {tuple(rows.shape)}")
+        size = rows.shape[0]
+        latents = require_dense_tensor(f"{owner}.latents", self.latents)
+        if not latents.dtype.is_floating_point:
+            raise TypeError(f"{owner}.latents: expected a floating dtype, got {latents.dtype}")
+        if latents.dim() < 1 or latents.shape[0] != size:
+            raise ValueError(
+                f"{owner}.latents: expected [b={size}, *latent] (b from FlowStepBatch.rows), got "
+                f"{tuple(latents.shape)}"
+            )
+        for name in ("next_latents", "ref_means"):
+            value = getattr(self, name)
+            if value is None and name == "ref_means":
+                continue
+            require_dense_tensor(f"{owner}.{name}", value)
+            if not value.dtype.is_floating_point:
+                raise TypeError(f"{owner}.{name}: expected a floating dtype, got {value.dtype}")
+            if value.shape != latents.shape:
+                raise ValueError(
+                    f"{owner}.{name}: expected the shape of latents {tuple(latents.shape)}, got "
+                    f"{tuple(value.shape)}"
+                )
+        for name in ("sigma", "sigma_next", "behaviour_logprobs"):
+            self._check_row_values(name, getattr(self, name), size)
+        for name in ("advantages", "weights", "old_logprobs"):
+            if getattr(self, name) is not None:
+                self._check_row_values(name, getattr(self, name), size)
+        check_conditioning(f"{owner}.cond", self.cond, size, finite=False)
+        if self.uncond is not None:
+            check_conditioning(f"{owner}.uncond", self.uncond, size, finite=False)
+
+    @staticmethod
+    def _check_row_values(name: str, value: Any, size: int) -> None:
+        require_dense_tensor(f"FlowStepBatch.{name}", value)
+        if not value.dtype.is_floating_point:
+            raise TypeError(f"FlowStepBatch.{name}: expected a floating dtype, got {value.dtype}")
+        if tuple(value.shape) != (size,):
+            raise ValueError(
+                f"FlowStepBatch.{name}: expected [b={size}] (b from FlowStepBatch.rows), got "
+                f"{tuple(value.shape)}"
+            )
 
     def __len__(self) -> int:
         return self.latents.shape[0]

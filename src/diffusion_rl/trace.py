@@ -17,13 +17,186 @@ type of its world (defined in :mod:`diffusion_rl.contracts`), advantages include
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from .contracts import Conditioning, DiffusionTokenBatch, FlowStepBatch
+from .contracts import (
+    Conditioning,
+    DiffusionTokenBatch,
+    FlowStepBatch,
+    check_conditioning,
+    require_dense_tensor,
+    sum_is_finite,
+)
+
+INT64_MAX = 2**63 - 1
+SIGMA_START_TOLERANCE = 1e-5
+"""``sigmas[0]`` may sit this far below 1 (the SD3 grid's σ_max is 1 only up to float32
+rounding, sampling/flow.py ``flow_sigmas``)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Field validation shared by both traces. Kinds, dtypes and shapes are checked one field at a
+# time (attribute reads, no device work); value rules are collected as bool masks and reduced
+# with one host sync per device, so validating costs a few vectorised passes over the trace.
+# ---------------------------------------------------------------------------------------------
+
+
+def _tensor(
+    name: str, value: Any, dtypes: tuple[torch.dtype, ...], what: str, fix: str = ""
+) -> torch.Tensor:
+    """A dense tensor of one of ``dtypes`` (``TypeError`` naming ``name`` otherwise)."""
+    require_dense_tensor(name, value)
+    if value.dtype not in dtypes:
+        hint = f"; {fix}" if fix else ""
+        raise TypeError(f"{name}: expected {what}, got {value.dtype}{hint}")
+    return value
+
+
+def _floating(name: str, value: Any) -> torch.Tensor:
+    require_dense_tensor(name, value)
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
+    return value
+
+
+def _shape(name: str, value: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(value.shape) != expected:
+        raise ValueError(f"{name}: expected shape {what} = {expected}, got {tuple(value.shape)}")
+
+
+def _rank(name: str, value: torch.Tensor, rank: int, what: str) -> None:
+    if value.dim() != rank:
+        raise ValueError(
+            f"{name}: expected rank {rank} {what}, got rank {value.dim()} shape "
+            f"{tuple(value.shape)}"
+        )
+
+
+def _same_device(owner: str, fields: dict[str, torch.Tensor]) -> None:
+    (first, reference), *rest = fields.items()
+    for name, value in rest:
+        if value.device != reference.device:
+            raise ValueError(
+                f"{owner}.{name}: on {value.device}, but {first} is on {reference.device}; the "
+                f"trace's tensors ({', '.join(fields)}) share one device: move them together"
+            )
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, short for huge ints."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    return repr(value)
+
+
+def _int(name: str, value: Any, *, low: int = 0, high: int = INT64_MAX, what: str) -> int:
+    """A Python int (not bool) in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int ({what}), got {type(value).__name__} {value!r}")
+    if not low <= value <= high:
+        top = "2^63 - 1" if high == INT64_MAX else high
+        raise ValueError(f"{name}: expected {what} in [{low}, {top}], got {_shown(value)}")
+    return value
+
+
+def _number(name: str, value: Any, *, what: str) -> float:
+    """A finite Python number >= 0 (int or float, not bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number ({what}), got {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"{name}: expected a finite {what} >= 0, got {_shown(value)}")
+    return number
+
+
+def _str_dict(name: str, value: Any, *, str_values: bool = False) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"{name}: expected a dict, got {type(value).__name__}")
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name}: keys must be str, got {type(key).__name__} {key!r}")
+        if str_values and not isinstance(item, str):
+            raise TypeError(f"{name}[{key!r}]: expected a str, got {type(item).__name__}")
+    return value
+
+
+def _require_key(name: str, settings: dict, key: str, why: str) -> Any:
+    if key not in settings:
+        raise ValueError(f"{name}: missing key {key!r} ({why})")
+    return settings[key]
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """A value rule: ``bad`` marks violating elements of ``values`` (same shape), or builds
+    that mask when called; ``suspect`` (scalar bool, default ``bad.any()``) says whether to
+    look; ``axes`` name the leading dims in the message; ``rule`` is the text, or a function
+    of the first violating position giving it."""
+
+    name: str
+    bad: torch.Tensor | Callable[[], torch.Tensor]
+    values: torch.Tensor
+    rule: str | Callable[[list[int]], str]
+    fix: str
+    axes: tuple[str, ...]
+    suspect: torch.Tensor | None = None
+
+    def flag(self) -> torch.Tensor:
+        return self.suspect if self.suspect is not None else self.bad.any()
+
+    def mask(self) -> torch.Tensor:
+        return self.bad() if callable(self.bad) else self.bad
+
+
+def _enforce(rules: list[_Rule]) -> None:
+    """Raise a ``ValueError`` for the first rule with a violation, naming the field, the
+    first violating value and its position. One host sync per device in the good case."""
+    by_device: dict[torch.device, list[int]] = {}
+    for k, rule in enumerate(rules):
+        by_device.setdefault(rule.values.device, []).append(k)
+    suspects = []
+    for indices in by_device.values():
+        flags = torch.stack([rules[k].flag() for k in indices]).tolist()
+        suspects += [k for k, flag in zip(indices, flags) if flag]
+    for k in sorted(suspects):
+        bad = rules[k].mask()
+        if bool(bad.any()):  # a suspect may be clean (a finite sum that overflowed)
+            _report(rules[k], bad)
+
+
+def _report(rule: _Rule, bad: torch.Tensor) -> None:
+    at = bad.nonzero()[0].tolist()
+    value = rule.values[tuple(at)].item()
+    shown = f"{value:.6g}" if isinstance(value, float) else str(value)
+    parts = [f"{axis} {i}" for axis, i in zip(rule.axes, at)]
+    if rule.axes and len(at) > len(rule.axes):
+        parts.append(f"element {tuple(at[len(rule.axes) :])}")
+    where = f" at {', '.join(parts)}" if parts else ""
+    count = int(bad.sum())
+    more = f" ({count} such values)" if count > 1 else ""
+    text = rule.rule if isinstance(rule.rule, str) else rule.rule(at)
+    raise ValueError(f"{rule.name}: {text}, found {shown}{where}{more}; {rule.fix}")
+
+
+def _not_finite(name: str, values: torch.Tensor, axes: tuple[str, ...], fix: str) -> _Rule:
+    """Finiteness, checked by one sum; the element mask is built only if the sum is not."""
+    return _Rule(
+        name,
+        lambda: ~torch.isfinite(values),
+        values,
+        "must be finite",
+        fix,
+        axes,
+        suspect=~sum_is_finite(values),
+    )
 
 
 @dataclass(frozen=True)
@@ -38,6 +211,16 @@ class TokenTrace:
     * ``behaviour_logprobs`` float32 ``[B, L]``: ``log softmax(z / T)[x]`` from the very
       logits that produced the sample (0 on unsampled slots)
     * ``seeds`` long ``[B]``; ``sampler`` settings; ``kernel_ids`` op → id; ``weights_version``
+
+    Validated at construction (errors name the field, e.g. ``TokenTrace.commit_steps``):
+    ``prompt_ids`` int64/int32 and ``tokens`` int64 ids >= 0 (< ``model_info["vocab_size"]``
+    when known; sampled slots never the mask id); ``commit_steps`` int64, -1 or a step id of
+    the slot's block (``[block · stride, (block + 1) · stride)`` when the sampler settings give
+    ``block_size``, ``steps_per_block`` and ``schedule``); ``behaviour_logprobs`` finite, <= 0,
+    exactly 0 on unsampled slots; ``sampler["temperature"]`` a finite number >= 0 (and
+    ``generation_length`` = L when present); ``kernel_ids`` str → str with
+    ``"token_logprobs"``; ``weights_version`` an int in [0, 2^63); ``stop_token_id`` None or an
+    id; the five ``[B, ·]`` tensors on one device (``seeds`` may live on the CPU).
     """
 
     prompt_ids: torch.Tensor
@@ -51,6 +234,189 @@ class TokenTrace:
     weights_version: int
     stop_token_id: int | None = None
     model_info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        owner = "TokenTrace"
+        ids = (torch.int64, torch.int32)
+        prompt = _tensor(f"{owner}.prompt_ids", self.prompt_ids, ids, "int64 (or int32) ids")
+        _rank(f"{owner}.prompt_ids", prompt, 2, "[B, P]")
+        batch = prompt.shape[0]
+        mask = _tensor(
+            f"{owner}.prompt_mask", self.prompt_mask, (torch.bool,), "bool", "use mask.bool()"
+        )
+        _shape(f"{owner}.prompt_mask", mask, tuple(prompt.shape), f"[B, P] of {owner}.prompt_ids")
+        long = (torch.int64,)
+        tokens = _tensor(f"{owner}.tokens", self.tokens, long, "int64 ids", "use .long()")
+        _rank(f"{owner}.tokens", tokens, 2, "[B, L]")
+        if tokens.shape[0] != batch:
+            raise ValueError(
+                f"{owner}.tokens: expected B={batch} rows (from {owner}.prompt_ids), got shape "
+                f"{tuple(tokens.shape)}"
+            )
+        length = tokens.shape[1]
+        steps = _tensor(f"{owner}.commit_steps", self.commit_steps, long, "int64 step ids")
+        _shape(f"{owner}.commit_steps", steps, (batch, length), f"[B, L] of {owner}.tokens")
+        logprobs = _tensor(
+            f"{owner}.behaviour_logprobs", self.behaviour_logprobs, (torch.float32,), "float32"
+        )
+        _shape(
+            f"{owner}.behaviour_logprobs", logprobs, (batch, length), f"[B, L] of {owner}.tokens"
+        )
+        seeds = _tensor(f"{owner}.seeds", self.seeds, long, "int64 seeds (one per row)")
+        _shape(f"{owner}.seeds", seeds, (batch,), f"[B] (B from {owner}.prompt_ids)")
+        _same_device(
+            owner,
+            {
+                "prompt_ids": prompt,
+                "prompt_mask": mask,
+                "tokens": tokens,
+                "commit_steps": steps,
+                "behaviour_logprobs": logprobs,
+            },
+        )
+
+        sampler = _str_dict(f"{owner}.sampler", self.sampler)
+        _number(
+            f"{owner}.sampler['temperature']",
+            _require_key(f"{owner}.sampler", sampler, "temperature", "replay scores at it"),
+            what="temperature",
+        )
+        if "generation_length" in sampler and sampler["generation_length"] != length:
+            raise ValueError(
+                f"{owner}.tokens: expected L = sampler['generation_length'] = "
+                f"{sampler['generation_length']!r} slots, got {length}"
+            )
+        kernels = _str_dict(f"{owner}.kernel_ids", self.kernel_ids, str_values=True)
+        _require_key(f"{owner}.kernel_ids", kernels, "token_logprobs", "replay pins this kernel")
+        _int(f"{owner}.weights_version", self.weights_version, what="a weights version")
+        info = _str_dict(f"{owner}.model_info", self.model_info)
+        vocab = info.get("vocab_size")
+        if vocab is not None:
+            vocab = _int(f"{owner}.model_info['vocab_size']", vocab, low=1, what="a vocab size")
+        id_high = INT64_MAX if vocab is None else vocab - 1
+        mask_id = info.get("mask_token_id")
+        if mask_id is not None:
+            _int(f"{owner}.model_info['mask_token_id']", mask_id, high=id_high, what="a token id")
+        if self.stop_token_id is not None:
+            _int(f"{owner}.stop_token_id", self.stop_token_id, high=id_high, what="a token id")
+
+        sampled = steps >= 0
+        row_slot = ("row", "slot")
+        rules = [
+            _Rule(
+                f"{owner}.prompt_ids",
+                prompt < 0,
+                prompt,
+                "token ids must be >= 0",
+                "left-pad with a real id (e.g. the pad id) and mark padding False in prompt_mask",
+                row_slot,
+            ),
+            _Rule(
+                f"{owner}.tokens",
+                tokens < 0,
+                tokens,
+                "token ids must be >= 0",
+                "unsampled slots hold the stop (or mask) id, never a negative sentinel",
+                row_slot,
+            ),
+            _Rule(
+                f"{owner}.commit_steps",
+                steps < -1,
+                steps,
+                "must be a step id >= 0 or -1 (never sampled)",
+                "record the step id at which the slot was committed",
+                row_slot,
+            ),
+            _not_finite(
+                f"{owner}.behaviour_logprobs",
+                logprobs,
+                row_slot,
+                "record log softmax(z / T)[x] of the logits the sample was drawn from",
+            ),
+            _Rule(
+                f"{owner}.behaviour_logprobs",
+                logprobs > 0,
+                logprobs,
+                "must be <= 0 (log-probabilities)",
+                "record log softmax(z / T)[x] of the logits the sample was drawn from",
+                row_slot,
+            ),
+            _Rule(
+                f"{owner}.behaviour_logprobs",
+                ~sampled & (logprobs != 0),
+                logprobs,
+                "must be 0 on unsampled slots (commit_steps -1)",
+                "unsampled slots are not actions: store 0 there",
+                row_slot,
+            ),
+        ]
+        if vocab is not None:
+            for name, value in (("prompt_ids", prompt), ("tokens", tokens)):
+                rules.append(
+                    _Rule(
+                        f"{owner}.{name}",
+                        value >= vocab,
+                        value,
+                        f"token ids must be < vocab_size={vocab} (model_info)",
+                        "ids come from the model's tokenizer",
+                        row_slot,
+                    )
+                )
+        if mask_id is not None:
+            rules.append(
+                _Rule(
+                    f"{owner}.tokens",
+                    sampled & (tokens == mask_id),
+                    tokens,
+                    f"a sampled slot holds the mask id {mask_id} (model_info['mask_token_id'])",
+                    "the sampler never proposes MASK: a sampled slot holds a real token",
+                    row_slot,
+                )
+            )
+        window = self._step_window(sampler, length, steps.device)
+        if window is not None:
+            low, high, stride = window
+            size = sampler["block_size"]
+
+            def in_block(at: list[int]) -> str:
+                block = at[1] // size
+                return (
+                    f"slot {at[1]} lies in block {block} (block_size {size}), so its step id "
+                    f"must be in [{block * stride}, {(block + 1) * stride}) (step_stride {stride})"
+                )
+
+            rules.append(
+                _Rule(
+                    f"{owner}.commit_steps",
+                    sampled & ((steps < low) | (steps >= high)),
+                    steps,
+                    in_block,
+                    "step ids are block * step_stride + step_in_block, or -1 if never sampled",
+                    row_slot,
+                )
+            )
+        _enforce(rules)
+
+    @staticmethod
+    def _step_window(
+        sampler: dict, length: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Per-slot ``[low, high)`` step ids ``[L]`` and the stride, when the sampler settings
+        say how steps are numbered (``sampling/token.py``: ``block * step_stride + step``)."""
+        size, per_block = sampler.get("block_size"), sampler.get("steps_per_block")
+        schedule = sampler.get("schedule")
+        for key, value in (("block_size", size), ("steps_per_block", per_block)):
+            if value is not None:
+                _int(f"TokenTrace.sampler[{key!r}]", value, low=1, what="a count")
+        if schedule is not None and schedule not in ("fixed", "threshold"):
+            raise ValueError(
+                f"TokenTrace.sampler['schedule']: expected 'fixed' or 'threshold', got {schedule!r}"
+            )
+        if size is None or per_block is None or schedule is None:
+            return None
+        stride = per_block if schedule == "fixed" else size
+        block = torch.arange(length, device=device) // size
+        return block * stride, (block + 1) * stride, stride
 
     @property
     def sampled(self) -> torch.Tensor:
@@ -175,19 +541,6 @@ class TokenTrace:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_conditioning(name: str, cond: Conditioning | None, rows: int) -> None:
-    if cond is None:
-        return
-    if not isinstance(cond, dict) or not cond:
-        raise TypeError(f"{name}: expected a non-empty dict of tensors, got {type(cond).__name__}")
-    for key, value in cond.items():
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != rows:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(
-                f"{name}[{key!r}]: expected a batch-first tensor [B={rows}, ...], got {shape}"
-            )
-
-
 def _take(cond: Conditioning | None, index) -> Conditioning | None:
     return None if cond is None else {k: v[index] for k, v in cond.items()}
 
@@ -198,8 +551,10 @@ class FlowTrace:
 
     * ``latents`` ``[B, N + 1, *latent_shape]``: ``latents[:, k]`` is *exactly* the tensor the
       sampler fed the model at step k and continued from (its dtype: with a bf16 latent dtype
-      the rounded tensor: docs/pitfalls.md, "Stored latent is not the latent continued from"); ``latents[:, N]`` is the final sample
-    * ``sigmas`` float32 ``[N + 1]``: the schedule, ``sigmas[0] = 1``, ``sigmas[N] = 0``
+      the rounded tensor: docs/pitfalls.md, "Stored latent is not the latent continued
+      from"); ``latents[:, N]`` is the final sample
+    * ``sigmas`` float32 ``[N + 1]``: the schedule, ``sigmas[0] = 1`` (within 1e-5),
+      ``sigmas[N] = 0``
     * ``sde_steps`` bool ``[N]``: steps taken by the SDE kernel (the trainable ones); the
       others (and always the last) are ODE steps
     * ``behaviour_logprobs`` float32 ``[B, N]``: ``log p(latents[:, k+1] | latents[:, k])``
@@ -211,6 +566,17 @@ class FlowTrace:
       parity is bitwise; a replay of part of a group is equal only to fp tolerance
     * ``sampler``: the sampler settings (``FlowSamplerConfig`` dump plus ``latent_shape``,
       ``latent_dtype``, ``group_size``); ``kernel_ids`` op → id; ``weights_version``
+
+    Validated at construction (errors name the field, e.g. ``FlowTrace.sigmas``): ``latents``
+    floating and finite; ``sigmas`` finite, strictly decreasing, from 1 (within 1e-5) to
+    exactly 0; ``sde_steps`` False at the last step; ``behaviour_logprobs`` finite (a density:
+    it may be > 0) and exactly 0 on ODE steps; ``cond`` / ``uncond`` dense ``[B, ...]``
+    tensors, finite; ``prompts`` B strings; ``forward_groups`` >= 0; the sampler's
+    ``num_steps``, ``latent_shape`` and ``latent_dtype`` (when present) match the tensors;
+    ``kernel_ids`` str → str with ``flow_ode_step`` (and ``flow_sde_step`` when a step is
+    SDE); ``weights_version`` an int in [0, 2^63); ``latents``, ``behaviour_logprobs`` and the
+    conditioning on one device (``sigmas``, ``sde_steps``, ``seeds``, ``forward_groups`` may
+    stay on the CPU).
     """
 
     latents: torch.Tensor
@@ -228,40 +594,172 @@ class FlowTrace:
     model_info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        rows = self.latents.shape[0]
-        steps = self.sigmas.shape[0] - 1
-        if self.latents.dim() < 3 or self.latents.shape[1] != steps + 1:
+        owner = "FlowTrace"
+        latents = _floating(f"{owner}.latents", self.latents)
+        sigmas = _tensor(f"{owner}.sigmas", self.sigmas, (torch.float32,), "float32")
+        _rank(f"{owner}.sigmas", sigmas, 1, "[N+1]")
+        steps = sigmas.shape[0] - 1
+        if steps < 1:
             raise ValueError(
-                f"FlowTrace.latents: expected [B, N+1={steps + 1}, *latent_shape] (sigmas has "
-                f"N+1 entries), got {tuple(self.latents.shape)}"
+                f"{owner}.sigmas: expected N+1 >= 2 entries (at least one step), got "
+                f"{tuple(sigmas.shape)}"
             )
-        if self.sigmas.dtype != torch.float32 or self.sigmas.dim() != 1:
-            raise ValueError(f"FlowTrace.sigmas: expected float32 [N+1], got {self.sigmas.dtype}")
-        if self.sde_steps.dtype != torch.bool or tuple(self.sde_steps.shape) != (steps,):
+        if latents.dim() < 3 or latents.shape[1] != steps + 1:
             raise ValueError(
-                f"FlowTrace.sde_steps: expected bool [N={steps}], got {self.sde_steps.dtype} "
-                f"{tuple(self.sde_steps.shape)}"
+                f"{owner}.latents: expected [B, N+1={steps + 1}, *latent_shape] ({owner}.sigmas "
+                f"has N+1 entries), got {tuple(latents.shape)}"
             )
-        logprobs = self.behaviour_logprobs
-        if logprobs.dtype != torch.float32 or tuple(logprobs.shape) != (rows, steps):
-            raise ValueError(
-                f"FlowTrace.behaviour_logprobs: expected float32 [B={rows}, N={steps}], got "
-                f"{logprobs.dtype} {tuple(logprobs.shape)}"
-            )
+        rows = latents.shape[0]
+        sde = _tensor(f"{owner}.sde_steps", self.sde_steps, (torch.bool,), "bool")
+        _shape(f"{owner}.sde_steps", sde, (steps,), f"[N] (N + 1 entries in {owner}.sigmas)")
+        logprobs = _tensor(
+            f"{owner}.behaviour_logprobs", self.behaviour_logprobs, (torch.float32,), "float32"
+        )
+        _shape(
+            f"{owner}.behaviour_logprobs",
+            logprobs,
+            (rows, steps),
+            f"[B, N] (B from {owner}.latents, N from {owner}.sigmas)",
+        )
         for name in ("seeds", "forward_groups"):
-            value = getattr(self, name)
-            if value.dtype != torch.long or tuple(value.shape) != (rows,):
-                raise ValueError(
-                    f"FlowTrace.{name}: expected long [B={rows}], got {tuple(value.shape)}"
-                )
-        if len(self.prompts) != rows:
-            raise ValueError(f"FlowTrace.prompts: expected {rows} prompts, got {len(self.prompts)}")
-        _check_conditioning("FlowTrace.cond", self.cond, rows)
-        _check_conditioning("FlowTrace.uncond", self.uncond, rows)
-        if (self.uncond is None) != (self.guidance_scale == 1.0):
+            value = _tensor(f"{owner}.{name}", getattr(self, name), (torch.int64,), "int64")
+            _shape(f"{owner}.{name}", value, (rows,), f"[B] (B from {owner}.latents)")
+        prompts = self.prompts
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(
+                f"{owner}.prompts: expected a list of str, got {type(prompts).__name__}"
+            )
+        if len(prompts) != rows:
             raise ValueError(
-                f"FlowTrace.uncond: guidance_scale={self.guidance_scale} needs an unconditional "
+                f"{owner}.prompts: expected B={rows} prompts (B from {owner}.latents), got "
+                f"{len(prompts)}"
+            )
+        for k, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                raise TypeError(
+                    f"{owner}.prompts[{k}]: expected a str, got {type(prompt).__name__}"
+                )
+        check_conditioning(f"{owner}.cond", self.cond, rows)
+        if self.uncond is not None:
+            check_conditioning(f"{owner}.uncond", self.uncond, rows)
+        on_device = {"latents": latents, "behaviour_logprobs": logprobs}
+        for name in ("cond", "uncond"):
+            for key, value in (getattr(self, name) or {}).items():
+                on_device[f"{name}[{key!r}]"] = value
+        _same_device(owner, on_device)
+
+        sampler = _str_dict(f"{owner}.sampler", self.sampler)
+        guidance = _number(
+            f"{owner}.sampler['guidance_scale']",
+            _require_key(f"{owner}.sampler", sampler, "guidance_scale", "replay guides with it"),
+            what="guidance scale",
+        )
+        if (self.uncond is None) != (guidance == 1.0):
+            raise ValueError(
+                f"{owner}.uncond: guidance_scale={guidance} needs an unconditional "
                 "conditioning exactly when it is not 1"
+            )
+        self._check_settings(sampler, steps, latents)
+        kernels = _str_dict(f"{owner}.kernel_ids", self.kernel_ids, str_values=True)
+        _require_key(f"{owner}.kernel_ids", kernels, "flow_ode_step", "every trace has ODE steps")
+        if bool(sde.any()):
+            _require_key(f"{owner}.kernel_ids", kernels, "flow_sde_step", "it has SDE steps")
+        _int(f"{owner}.weights_version", self.weights_version, what="a weights version")
+        _str_dict(f"{owner}.model_info", self.model_info)
+
+        sigma_fix = "the schedule runs from 1 down to 0 (sampling/flow.py flow_sigmas)"
+        rules = [
+            _not_finite(
+                f"{owner}.latents",
+                latents,
+                ("row", "step"),
+                "store the latents the sampler continued from (a diverged sample is no rollout)",
+            ),
+            _not_finite(f"{owner}.sigmas", sigmas, ("entry",), sigma_fix),
+            _Rule(
+                f"{owner}.sigmas",
+                torch.cat(
+                    [
+                        torch.zeros(1, dtype=torch.bool, device=sigmas.device),
+                        sigmas[1:] >= sigmas[:-1],
+                    ]
+                ),
+                sigmas,
+                "must be strictly decreasing (each entry below the one before it)",
+                sigma_fix,
+                ("entry",),
+            ),
+            _Rule(
+                f"{owner}.sigmas",
+                (sigmas[:1] < 1 - SIGMA_START_TOLERANCE) | (sigmas[:1] > 1),
+                sigmas[:1],
+                f"must start at 1 (within {SIGMA_START_TOLERANCE}: entry 0)",
+                sigma_fix,
+                (),
+            ),
+            _Rule(
+                f"{owner}.sigmas",
+                sigmas[-1:] != 0,
+                sigmas[-1:],
+                f"must end at exactly 0 (entry {steps})",
+                sigma_fix,
+                (),
+            ),
+            _Rule(
+                f"{owner}.sde_steps",
+                sde[-1:],
+                sde[-1:],
+                "the last step (to sigma = 0) must be an ODE step (False)",
+                "the SDE window ends at num_steps - 1 at most",
+                (),
+            ),
+            _not_finite(
+                f"{owner}.behaviour_logprobs",
+                logprobs,
+                ("row", "step"),
+                "record log p(latents[k+1] | latents[k]) of the SDE step taken",
+            ),
+            _Rule(
+                f"{owner}.behaviour_logprobs",
+                ~sde.to(logprobs.device)[None, :] & (logprobs != 0),
+                logprobs,
+                "must be 0 on ODE steps (sde_steps False)",
+                "only SDE steps have a log-prob: store 0 on the others",
+                ("row", "step"),
+            ),
+            _Rule(
+                f"{owner}.forward_groups",
+                self.forward_groups < 0,
+                self.forward_groups,
+                "group ids must be >= 0",
+                "number the sampler's forward groups 0, 1, ...",
+                ("row",),
+            ),
+        ]
+        _enforce(rules)
+
+    @staticmethod
+    def _check_settings(sampler: dict, steps: int, latents: torch.Tensor) -> None:
+        """The sampler dump, where it states them, agrees with the tensors."""
+        owner = "FlowTrace"
+        if "num_steps" in sampler and sampler["num_steps"] != steps:
+            raise ValueError(
+                f"{owner}.sigmas: N = {steps} steps, but sampler['num_steps'] = "
+                f"{sampler['num_steps']!r}; a trace keeps its sampler's schedule"
+            )
+        shape = sampler.get("latent_shape")
+        if shape is not None and (
+            not isinstance(shape, (list, tuple)) or list(shape) != list(latents.shape[2:])
+        ):
+            raise ValueError(
+                f"{owner}.latents: latent shape {tuple(latents.shape[2:])}, but "
+                f"sampler['latent_shape'] = {shape!r}"
+            )
+        dtype = sampler.get("latent_dtype")
+        if dtype is not None and str(latents.dtype) != f"torch.{dtype}":
+            raise TypeError(
+                f"{owner}.latents: dtype {latents.dtype}, but sampler['latent_dtype'] = "
+                f"{dtype!r}; store the latents in the dtype the sampler kept them in"
             )
 
     # settings the replay must reproduce (from the sampler dump)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contracts import DiffusionTokenBatch, validate_diffusion_logits
+from ..contracts import DiffusionTokenBatch, validate_target_aligned_logits
 from ..kernels import Kernel
 from ..models.protocol import TokenDenoiser
 from .replay import ChunkedReplay, ReplayScores, masked_entropy
@@ -60,7 +60,7 @@ def score_actions(
     outputs on non-actions are exactly 0 (no NaN/inf reaches a loss or a gradient).
     Returns ``logprobs`` float32 ``[B, L]`` and ``entropy`` float32 ``[B, L]`` or None.
     """
-    validate_diffusion_logits(DiffusionTokenBatch({}, targets, acting), logits)
+    validate_target_aligned_logits(targets, acting, logits)
     logits = torch.where(acting[..., None], logits.float(), torch.zeros((), device=logits.device))
     logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), -math.inf)
     logprobs = torch.where(acting, kernel.fn(logits, targets, temperature), 0.0)

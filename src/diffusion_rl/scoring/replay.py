@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contracts import DiffusionTokenBatch, validate_diffusion_logits
+from ..contracts import DiffusionTokenBatch, validate_target_aligned_logits
 from ..kernels import KERNELS, scoring_temperature
 from ..models.protocol import TokenDenoiser
 
@@ -164,7 +164,7 @@ class ReplayScorer(ChunkedReplay):
 
         def read(logits: torch.Tensor, here: torch.Tensor, slots: slice) -> tuple:
             """Log-probs (and entropy) of the actions ``here [B, K]`` from logits ``[B, K, V]``."""
-            validate_diffusion_logits(DiffusionTokenBatch({}, targets[:, slots], here), logits)
+            validate_target_aligned_logits(targets[:, slots], here, logits)
             logits = torch.where(
                 here[..., None], logits.float(), torch.zeros((), device=logits.device)
             )
