@@ -49,17 +49,18 @@ MAX_LOG_RATIO = 20.0
 
 
 class FlowGRPOConfig(BaseModel):
-    """Flow-GRPO settings. ``beta = 0``: no reference model and no reference pass."""
+    """Flow-GRPO settings. ``beta = 0``: no reference model and no reference pass. Strict
+    types: finite floats, ints that are not bools."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    clip_range: float = Field(default=1e-4, gt=0.0, lt=1.0)
+    clip_range: float = Field(default=1e-4, gt=0.0, lt=1.0, allow_inf_nan=False)
     beta: float = Field(default=0.004, ge=0.0, allow_inf_nan=False)
     kl: Literal["exact", "flow_grpo"] = "exact"
     advantage: Literal["group", "batch"] = "group"
-    adv_clip: float = Field(default=5.0, gt=0.0)
-    std_eps: float = Field(default=1e-4, gt=0.0)
-    timestep_fraction: float = Field(default=1.0, gt=0.0, le=1.0)
+    adv_clip: float = Field(default=5.0, gt=0.0, allow_inf_nan=False)
+    std_eps: float = Field(default=1e-4, gt=0.0, allow_inf_nan=False)
+    timestep_fraction: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     num_iterations: int = Field(default=1, ge=1)
 
     @property

@@ -74,27 +74,28 @@ class PolicyLossConfig(BaseModel):
     """GRPO-family settings; fields left unset (null) take ``ALGORITHM_DEFAULTS[algorithm]``.
 
     ``beta="none"``: no reference model and no reference pass; ``beta=0``: the reference is
-    scored for the KL diagnostic but the KL is not in the loss.
+    scored for the KL diagnostic but the KL is not in the loss. Strict types: finite floats,
+    ints that are not bools.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     algorithm: Algorithm = "grpo"
     num_iterations: int = Field(default=1, ge=1)
-    clip_low: float = Field(default=0.2, ge=0.0, lt=1.0)
-    clip_high: float | None = Field(default=None, ge=0.0)
-    dual_clip: float | None = Field(default=None, gt=1.0)
+    clip_low: float = Field(default=0.2, ge=0.0, lt=1.0, allow_inf_nan=False)
+    clip_high: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    dual_clip: float | None = Field(default=None, gt=1.0, allow_inf_nan=False)
     beta: float | Literal["none"] | None = None
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     aggregation: Aggregation | None = None
     token_scale: int | None = Field(default=None, gt=0)  # N of sequence_mean_token_scale; None = L
     advantage: Literal["group_std", "group_mean"] | None = None
-    std_ddof: Literal[0, 1] = 1
-    std_eps: float = Field(default=1e-6, gt=0.0)
+    std_ddof: int = Field(default=1, ge=0, le=1)  # 0 or 1 (strict: not a bool)
+    std_eps: float = Field(default=1e-6, gt=0.0, allow_inf_nan=False)
     dynamic_sampling: bool | None = None
     overlong_max_tokens: int | None = Field(default=None, gt=0)  # L_max; None = generation length
     overlong_buffer_tokens: int = Field(default=0, ge=0)  # L_buf; 0 = no shaping
-    overlong_penalty: float | None = Field(default=None, ge=0.0)
+    overlong_penalty: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _resolve(self) -> PolicyLossConfig:

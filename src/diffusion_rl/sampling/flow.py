@@ -66,9 +66,13 @@ class FlowSamplerConfig(BaseModel):
     ``micro_batch_size``: rows per velocity forward (None: the whole batch). ``kernels`` maps
     an op (``flow_ode_step``, ``flow_sde_step``) to a preferred kernel id; unset ops use the
     reference.
+
+    Strict types: ints are ints (not bools or floats), floats finite, bools bools (YAML lists
+    are accepted for ``sde_window``). Recipe configs also bound the sizes
+    (``diffusion_rl.config.LIMITS``).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     num_steps: int = Field(default=10, ge=1)
     shift: float = Field(default=3.0, gt=0.0, allow_inf_nan=False)
@@ -77,7 +81,7 @@ class FlowSamplerConfig(BaseModel):
     noise_level: float = Field(default=0.7, gt=0.0, allow_inf_nan=False)
     variant: Literal["flow_grpo", "constant", "cps"] = "flow_grpo"
     reduction: Literal["mean", "sum"] = "mean"
-    sde_window: tuple[int, int] | None = None
+    sde_window: tuple[int, int] | None = Field(default=None, strict=False)
     share_group_noise: bool = False
     latent_dtype: Literal["float32", "bfloat16"] = "float32"
     micro_batch_size: int | None = Field(default=None, ge=1)
@@ -91,6 +95,11 @@ class FlowSamplerConfig(BaseModel):
         # the sampler settings of model directories and traces saved before its removal.
         if isinstance(data, dict) and "progress" in data:
             data = {k: v for k, v in data.items() if k != "progress"}
+        window = data.get("sde_window") if isinstance(data, dict) else None
+        if isinstance(window, (list, tuple)) and not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in window
+        ):
+            raise ValueError(f"sde_window: expected two integers [start, end), got {list(window)}")
         return data
 
     @model_validator(mode="after")

@@ -34,9 +34,13 @@ from ..trace import TokenTrace
 
 
 class TokenSamplerConfig(BaseModel):
-    """Settings of the block sampler (stored in every trace and checkpoint)."""
+    """Settings of the block sampler (stored in every trace and checkpoint).
 
-    model_config = ConfigDict(extra="forbid")
+    Strict types: ints are ints (not bools or floats), floats finite, bools bools. Recipe
+    configs also bound the sizes (``diffusion_rl.config.LIMITS``).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     generation_length: int = Field(default=8, gt=0)
     block_size: int = Field(default=4, gt=0)
@@ -44,7 +48,7 @@ class TokenSamplerConfig(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     confidence: Literal["probability", "margin", "neg_entropy"] = "probability"
     schedule: Literal["fixed", "threshold"] = "fixed"
-    threshold: float = Field(default=0.9, gt=0.0, le=1.0)
+    threshold: float = Field(default=0.9, gt=0.0, le=1.0, allow_inf_nan=False)
     use_cache: bool | None = None
     stop_at_eos: bool = True
 
@@ -219,6 +223,7 @@ def sample_tokens(
                 "mask_token_id": mask_id,
                 "attention": model.attention,
                 "block_size": model_block,
+                "vocab_size": int(model.vocab_size),
             },
         )
     return TokenSample(tokens=tokens, trace=trace)

@@ -58,16 +58,17 @@ class ArithmeticConfig(BaseModel):
     ``operations`` is normalised to the canonical order ``"+-"`` so equivalent configs generate
     identical data. ``completion_length`` defaults to the smallest multiple of ``block_size``
     that holds the longest answer plus one ``<eos>``; an explicit value must satisfy the same
-    two rules.
+    two rules. Sizes are bounded (``num_digits`` <= 32, ``completion_length`` and
+    ``block_size`` <= 4096) so a config cannot ask for absurd sequences; ``seed`` >= 0.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    num_digits: int = Field(3, ge=1)
+    num_digits: int = Field(3, ge=1, le=32)
     operations: str = "+"
-    completion_length: int | None = Field(None, ge=1)
-    block_size: int = Field(4, ge=1)
-    seed: int = 0
+    completion_length: int | None = Field(None, ge=1, le=4096)
+    block_size: int = Field(4, ge=1, le=4096)
+    seed: int = Field(0, ge=0)
 
     @field_validator("operations")
     @classmethod

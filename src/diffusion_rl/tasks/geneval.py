@@ -105,7 +105,8 @@ class GenEvalConfig(BaseModel):
     """Settings of :class:`GenEvalTask` (unknown keys are rejected).
 
     ``heldout_fraction`` of the prompt set (rounded, at least one prompt) is held out for
-    evaluation; ``min_area`` (pixels) defaults to a quarter of the smallest box's area.
+    evaluation; ``min_area`` (pixels) defaults to a quarter of the smallest box's area and is
+    at most the image's area. Strict types (no bools for numbers); ``seed`` >= 0.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -113,9 +114,9 @@ class GenEvalConfig(BaseModel):
     image_size: int = Field(16, ge=12, le=256)
     kinds: tuple[Kind, ...] = Field(("position", "count"), strict=False)  # JSON gives a list
     max_count: int = Field(3, ge=1, le=len(_NUMBERS))
-    heldout_fraction: float = Field(0.2, ge=0.0, lt=0.5)
-    min_area: int | None = Field(None, ge=1)
-    seed: int = 0
+    heldout_fraction: float = Field(0.2, ge=0.0, lt=0.5, allow_inf_nan=False)
+    min_area: int | None = Field(None, ge=1, le=256 * 256)
+    seed: int = Field(0, ge=0)
 
     @field_validator("kinds")
     @classmethod

@@ -1,0 +1,374 @@
+"""The sections recipe configs are built from: the run fields every recipe shares
+(:class:`RunConfig`), model references and new built-in models, tasks, and reward terms with
+the check that they apply to the task.
+
+Strict values: ints are ints (``steps: true`` and ``steps: 1.5`` are refused), floats are
+finite, bools are bools, sections are mappings (``optim: []`` is refused), paths are
+non-empty, ``device`` is ``cpu``, ``cuda``, ``cuda:N`` or ``mps`` and present on this
+machine.
+
+A GRPO config's rewards apply to its task (:func:`check_rewards_for_task`; when ``task`` is
+null, to some built-in text task: the recipe checks the recorded task once it is known).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails
+
+from ..tasks import TASKS, get_task
+from ..tasks.geneval import GenEvalConfig, GenEvalTask
+from .limits import _limit_problems, check_device
+from .loading import (
+    ConfigError,
+    _did_you_mean,
+    _one_line,
+    _prefixed,
+    _problem,
+    _raise_problems,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Run
+# ---------------------------------------------------------------------------------------------
+
+
+def _non_empty_path(value: str | None) -> str | None:
+    if value is not None and (not value.strip() or "\x00" in value):
+        raise ValueError(f"expected a non-empty path, got {value!r}")
+    return value
+
+
+class RunConfig(BaseModel):
+    """The run fields every recipe shares (each recipe may change their defaults)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    output_dir: str = "runs/run"
+    seed: int = Field(default=0, ge=0)  # at most LIMITS["seed"]
+    device: str = "cpu"
+    threads: int | None = Field(default=None, gt=0)  # null: 1 for small models (recipes/run.py)
+    steps: int = Field(default=200, gt=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    eval_every: int = Field(default=25, gt=0)
+    checkpoint_every: int = Field(default=50, gt=0)
+    keep_last: int = Field(default=2, gt=0)
+    log_every: int = Field(default=1, gt=0)
+    resume: bool = True
+    # Fail loudly: this many consecutive steps skipped for a non-finite loss or gradient abort
+    # the run (0: abort on the first). Zero-weight skips (no signal in a batch) never abort.
+    max_consecutive_skips: int = Field(default=3, ge=0)
+    wandb_project: str | None = None  # also log to Weights & Biases (pip install wandb)
+
+    @field_validator("output_dir", "wandb_project")
+    @classmethod
+    def _non_empty(cls, value: str | None) -> str | None:
+        return _non_empty_path(value)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        return check_device(value)
+
+    @model_validator(mode="after")
+    def _within_limits(self) -> RunConfig:
+        _raise_problems(type(self).__name__, _limit_problems(self.model_dump()))
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+
+ModelKind = Literal["token", "flow"]
+
+
+class ModelRef(BaseModel):
+    """A model directory to start from: ``path`` (any directory ``load_model`` reads) and the
+    ``kind`` it must be (``token`` or ``flow``; null: whatever the recipe needs)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    kind: ModelKind | None = None
+    path: str
+
+    @field_validator("path")
+    @classmethod
+    def _non_empty(cls, value: str | None) -> str | None:
+        return _non_empty_path(value)
+
+
+class ModelSection(ModelRef):
+    """A new built-in transformer of this size, or ``path`` to a saved model directory.
+
+    The block size comes from ``sampler.block_size`` so model, data and sampler agree.
+    """
+
+    path: str | None = None
+    d_model: int = Field(default=128, gt=0)
+    n_layers: int = Field(default=4, gt=0)
+    n_heads: int = Field(default=4, gt=0)
+    d_ff: int | None = Field(default=None, gt=0)  # null: 4 * d_model
+    attention: Literal["bidirectional", "block_causal"] = "block_causal"
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelSection:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads: must divide d_model={self.d_model}, got {self.n_heads}")
+        return self
+
+
+class FlowModelSection(ModelRef):
+    """A new built-in :class:`~diffusion_rl.models.dit.FlowDiT` of this size, or ``path`` to
+    a saved FlowDiT directory. Image size and prompt vocabulary come from the task."""
+
+    path: str | None = None
+    patch_size: int = Field(default=4, gt=0)
+    d_model: int = Field(default=96, gt=0)
+    n_layers: int = Field(default=4, gt=0)
+    n_heads: int = Field(default=4, gt=0)
+    mlp_ratio: float = Field(default=4.0, gt=0.0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> FlowModelSection:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads: must divide d_model={self.d_model}, got {self.n_heads}")
+        return self
+
+
+class PolicyModelSection(ModelRef):
+    path: str = "runs/quickstart/sft/model"
+
+
+class TeacherSection(ModelRef):
+    """The teacher: a saved model directory sharing the student's tokenizer (any size)."""
+
+    path: str = "runs/quickstart/grpo/model"
+
+
+class FlowPolicyModelSection(ModelRef):
+    path: str = "runs/flow_sft/model"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------
+
+
+class TaskSection(BaseModel):
+    """``name`` picks a built-in task; the other keys are that task's settings.
+
+    After validation the extra keys are the task's full settings (defaults filled in,
+    normalised by the task's config class), except ``block_size``, which comes from
+    ``sampler.block_size``.
+    """
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = "arithmetic"
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskSection:
+        if self.name not in TASKS:
+            raise ValueError(
+                f"name: unknown task {self.name!r}; known tasks: {sorted(TASKS)}"
+                + _did_you_mean(self.name, TASKS)
+            )
+        options = self.options()
+        if "block_size" in options:
+            message = "set sampler.block_size instead (model, data and sampler share it)"
+            _raise_problems("TaskSection", [_problem(("block_size",), message)])
+        config_cls = TASKS[self.name][0]
+        # validated by the task's own class (its keys by name); the block size is checked with
+        # the sampler's by the recipe config
+        neutral = {"block_size": 1} if "block_size" in config_cls.model_fields else {}
+        settings = config_cls(**options, **neutral).model_dump(exclude={"block_size"})
+        self.__pydantic_extra__ = settings
+        return self
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        keys = ["name"]
+        for config_cls, _ in TASKS.values():
+            keys += [k for k in config_cls.model_fields if k not in keys and k != "block_size"]
+        return keys
+
+    def build(self, block_size: int):
+        """The task, its block size the sampler's."""
+        return get_task(self.name, block_size=block_size, **self.options())
+
+
+def _token_task_problems(section: TaskSection, block_size: int) -> list[InitErrorDetails]:
+    try:
+        section.build(block_size)
+    except ValidationError as error:
+        problems = _prefixed(error, ("task",))
+        for problem in problems:  # the task's block size is the sampler's
+            if tuple(problem["loc"]) == ("task", "block_size"):
+                problem["loc"] = ("sampler", "block_size")
+        return problems
+    except ValueError as error:
+        return [_problem(("task",), str(error))]
+    return []
+
+
+class ImageTaskSection(GenEvalConfig):
+    """The image task: ``name`` (``geneval``, the only built-in one) and the
+    :class:`~diffusion_rl.tasks.geneval.GenEvalConfig` keys with their defaults (YAML lists
+    are accepted for ``kinds``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: Literal["geneval"] = "geneval"
+
+    def build(self) -> GenEvalTask:
+        return GenEvalTask(GenEvalConfig(**self.model_dump(exclude={"name"})))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards
+# ---------------------------------------------------------------------------------------------
+
+
+class RewardSection(BaseModel):
+    """One reward term: ``name`` from the reward registry, its ``weight`` and options."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = "verifier"
+    weight: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    options: dict[str, Any] = {}
+
+
+# The text rewards that apply to each built-in text task. ``verifier`` and ``digits`` are the
+# task's own verifier (exact answer; partial credit per digit); ``math`` compares the
+# completion's final answer with the example's ``answer`` string through math-verify (pip
+# install 'diffusion-rl[math]'). ``countdown`` needs examples with ``numbers`` and ``target``
+# and ``sudoku`` a ``puzzle``: no built-in task has those (they serve tasks of your own, from
+# Python), so no built-in recipe config can use them.
+TASK_REWARDS: dict[str, tuple[str, ...]] = {"arithmetic": ("verifier", "digits", "math")}
+_TASK_BOUND_REWARDS = ("verifier", "digits")  # built with task=...: they take no options
+_REWARD_NEEDS = {
+    "countdown": "examples with 'numbers' and 'target'",
+    "sudoku": "examples with a 'puzzle'",
+}
+
+
+def _reward_options_problem(name: str, options: dict[str, Any]) -> str | None:
+    """Why the registered reward ``name`` refuses ``options`` (None: it takes them)."""
+    from ..rewards import REWARDS, get_reward
+
+    parameters = inspect.signature(REWARDS[name]).parameters.values()
+    accepted = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY]
+    unknown = [key for key in options if key not in accepted]
+    if unknown:
+        return (
+            f"unknown option {unknown[0]!r} of the {name} reward"
+            f"{_did_you_mean(unknown[0], accepted)} (options: {', '.join(accepted) or 'none'})"
+        )
+    try:
+        get_reward(name, **options)  # the reward's own checks of its option values
+    except (TypeError, ValueError, ImportError) as error:
+        return _one_line(error)
+    return None
+
+
+def _reward_problems(rewards: Sequence[Any], task_name: str | None) -> list[tuple[tuple, str]]:
+    """(key, message) for each reward term that does not apply to ``task_name`` (None: to no
+    built-in text task), or whose options its reward refuses."""
+    from ..rewards import REWARDS
+
+    if task_name is None:
+        usable = [n for names in TASK_REWARDS.values() for n in names]
+        where = "any built-in text task"
+    else:
+        usable = list(TASK_REWARDS.get(task_name, ()))
+        where = f"the {task_name} task"
+    usable = list(dict.fromkeys(usable))
+    listed = ", ".join(usable) or "none"
+    problems: list[tuple[tuple, str]] = []
+    for index, term in enumerate(rewards):
+        name = term if isinstance(term, str) else term.name
+        options = {} if isinstance(term, str) else term.options
+        loc = ("rewards", index, "name")
+        if name not in REWARDS:
+            problems.append(
+                (
+                    loc,
+                    f"unknown reward {name!r}; rewards that apply to {where}: {listed}"
+                    + _did_you_mean(name, usable),
+                )
+            )
+        elif name in IMAGE_REWARDS:
+            problems.append(
+                (
+                    loc,
+                    f"{name!r} is an image reward (flow-grpo); rewards that apply "
+                    f"to {where}: {listed}",
+                )
+            )
+        elif name not in usable:
+            need = _REWARD_NEEDS.get(name)
+            why = f" (it needs {need})" if need else ""
+            problems.append(
+                (loc, f"{name!r} does not apply to {where}{why}; rewards that apply: {listed}")
+            )
+        elif name in _TASK_BOUND_REWARDS:
+            if options:
+                problems.append(
+                    (
+                        (*loc[:2], "options"),
+                        f"the {name} reward takes no options "
+                        f"(it scores with the task's verifier), got {sorted(options)}",
+                    )
+                )
+        else:
+            problem = _reward_options_problem(name, options)
+            if problem is not None:
+                problems.append(((*loc[:2], "options"), problem))
+    names = [r if isinstance(r, str) else r.name for r in rewards]
+    if len(set(names)) != len(names):
+        problems.append((("rewards",), f"each reward may appear once, got {names}"))
+    return problems
+
+
+def check_rewards_for_task(rewards: Sequence[Any], task_name: str) -> None:
+    """Raise :class:`ConfigError` unless every reward term (a :class:`RewardSection` or a
+    name) applies to the built-in text task ``task_name`` (:data:`TASK_REWARDS`); the message
+    has one line per bad term and lists the rewards that do apply. Recipes call it once they
+    know the task (a config whose ``task`` is null takes the model directory's)."""
+    problems = _reward_problems(rewards, task_name)
+    if problems:
+        lines = [f"{'.'.join(map(str, loc))}: {message}" for loc, message in problems]
+        raise ConfigError("\n".join(lines))
+
+
+IMAGE_REWARDS = ("geneval", "compressibility")
+
+
+class ImageRewardSection(RewardSection):
+    """One image reward term: ``geneval`` (mini-GenEval attribute correctness; options
+    ``mode: mean | all``, ``min_area``) or ``compressibility`` (options ``format``,
+    ``quality``, ``unit``), its ``weight`` and options."""
+
+    name: str = "geneval"
+
+    @model_validator(mode="after")
+    def _check(self) -> ImageRewardSection:
+        if self.name not in IMAGE_REWARDS:
+            raise ValueError(
+                f"name {self.name!r} is not an image reward; use one of {IMAGE_REWARDS}"
+            )
+        problem = _reward_options_problem(self.name, self.options)
+        if problem is not None:
+            unknown = problem.startswith("unknown option")
+            raise ValueError(f"options: {problem}" if unknown else problem)
+        return self
