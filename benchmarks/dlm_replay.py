@@ -31,6 +31,7 @@ Progress goes to stderr; the last line of stdout is one JSON object. Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -49,6 +50,7 @@ from diffusion_rl.sampling.token import TokenSamplerConfig, sample_tokens
 from diffusion_rl.scoring.estimators import MeanFieldEstimator
 from diffusion_rl.scoring.packed import PackedReplayScorer
 from diffusion_rl.scoring.replay import ReplayScorer
+from diffusion_rl.trace import TokenTrace
 
 METHODS = ("dense_canvas", "dense_cached", "packed", "mean_field")
 MEMORY_METHODS = ("packed", "dense_cached")
@@ -175,13 +177,14 @@ def reset_peak_rss() -> bool:
 
 def memory_probe(args) -> dict:
     """In a fresh process: peak memory of one scored batch (forward + backward)."""
-    data = torch.load(args.memory_probe, weights_only=False)
+    data = torch.load(args.memory_probe, weights_only=True)  # tensors and plain values only
     device = torch.device(args.device)
     model = build_model(args, device)
     model.load_state_dict(data["model"])
     model.train().enable_activation_checkpointing(data["checkpointing"])
-    score = make_scorers(model, data["trace"])[data["method"]]
-    batch = data["trace"].prepare()
+    trace = TokenTrace(**data["trace"])
+    score = make_scorers(model, trace)[data["method"]]
+    batch = trace.prepare()
     train_step(model, score, batch[:1])  # pages in the kernels' code; its tensors are freed
     if device.type == "cuda":
         synchronize(device)
@@ -214,9 +217,9 @@ def measure_memory(args, model, trace, argv: list[str]) -> tuple[dict, str]:
         for scorer in MEMORY_METHODS:
             for checkpointing in (False, True):
                 path = os.path.join(tmp, f"{scorer}_{checkpointing}.pt")
-                state = {
+                state = {  # loadable with weights_only=True: no pickled objects
                     "model": model.state_dict(),
-                    "trace": trace,
+                    "trace": {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace)},
                     "method": scorer,
                     "checkpointing": checkpointing,
                 }

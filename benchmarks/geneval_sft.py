@@ -27,6 +27,7 @@ from diffusion_rl.models.dit import FlowDiT, FlowDiTConfig
 from diffusion_rl.objectives.flow_sft import FlowMatchingSFT, FlowSFTConfig, flow_sft_batch
 from diffusion_rl.plots import save_image_grid
 from diffusion_rl.sampling.flow import FlowSamplerConfig, sample_flow
+from diffusion_rl.seeding import noise_keys
 from diffusion_rl.tasks.geneval import GenEvalConfig, GenEvalTask, attribute_accuracy
 from diffusion_rl.train.trainer import OptimConfig, Trainer
 
@@ -113,7 +114,9 @@ def main() -> None:
     for step in range(args.steps):
         start = time.process_time()
         examples, images = task.train_batch(step, args.batch)
-        batch = flow_sft_batch(model, model.encode_images(images), [e.prompt for e in examples])
+        keys = noise_keys(range(step * args.batch, (step + 1) * args.batch), args.seed, step)
+        latents, prompts = model.encode_images(images), [e.prompt for e in examples]
+        batch = flow_sft_batch(model, latents, prompts, noise_seeds=keys)
         losses.append(trainer.train_step([batch]).metrics["loss"])
         cpu += time.process_time() - start
         if (step + 1) % 250 == 0:

@@ -8,6 +8,13 @@ DAPO with packed replay and dynamic sampling, Dr.GRPO with a stochastic estimato
 distillation, flow-SFT, and Flow-GRPO with μ = 2, a KL term and an EMA.
 
     python benchmarks/recipe_digests.py [--output digests.json]
+
+A change that is *meant* to alter one stage (e.g. SFT's random draws) changes every digest
+downstream of it, because the later runs start from its model. To check that the later
+stages themselves are unchanged, keep the starting models of one run and give them to the
+other: ``--save-starts DIR`` copies the SFT and flow-SFT models to ``DIR/sft``,
+``DIR/flow_sft``; ``--starts DIR`` starts GRPO, distillation and Flow-GRPO from those instead
+of this run's (the ``sft``, ``flow_sft`` and ``quickstart_text`` digests are still this run's).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -102,15 +110,23 @@ def digest(model_dir: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", help="also write the JSON here")
+    parser.add_argument("--save-starts", help="copy the SFT and flow-SFT models here")
+    parser.add_argument("--starts", help="start the later runs from the models saved here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     quiet = {"echo": lambda _: None}
     out: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        starts = {name: root / name / "model" for name in ("sft", "flow_sft")}
+        if args.starts:
+            starts = {name: Path(args.starts) / name for name in starts}
+            missing = [str(path) for path in starts.values() if not path.is_dir()]
+            if missing:
+                parser.error(f"--starts: no model directory {', '.join(missing)}")
 
         def grpo(name: str, **extra) -> None:
-            data = {**GRPO, "model": {"path": str(root / "sft" / "model")}, **extra}
+            data = {**GRPO, "model": {"path": str(starts["sft"])}, **extra}
             data["output_dir"] = str(root / name)
             run_grpo(build_config(GRPORecipeConfig, data), **quiet)
             out[name] = digest(root / name / "model")
@@ -136,7 +152,7 @@ def main() -> None:
             "eval_every": 2,
             "eval_examples": 8,
             "checkpoint_every": 2,
-            "student": {"path": str(root / "sft" / "model")},
+            "student": {"path": str(starts["sft"])},
             "teacher": {"path": str(root / "grpo" / "model")},
             "output_dir": str(root / "distill"),
         }
@@ -145,11 +161,16 @@ def main() -> None:
         flow_sft = {**FLOW_SFT, "output_dir": str(root / "flow_sft")}
         run_flow_sft(build_config(FlowSFTRecipeConfig, flow_sft), **quiet)
         out["flow_sft"] = digest(root / "flow_sft" / "model")
+        if args.save_starts:
+            for name in ("sft", "flow_sft"):
+                target = Path(args.save_starts) / name
+                shutil.rmtree(target, ignore_errors=True)
+                shutil.copytree(root / name / "model", target)
         for name, extra in (
             ("flow_grpo", {}),
             ("flow_grpo_mu2_ema", {"policy": {"num_iterations": 2}, "ema_decay": 0.9}),
         ):
-            data = {**FLOW_GRPO, "model": {"path": str(root / "flow_sft" / "model")}, **extra}
+            data = {**FLOW_GRPO, "model": {"path": str(starts["flow_sft"])}, **extra}
             data["output_dir"] = str(root / name)
             run_flow_grpo(build_config(FlowGRPORecipeConfig, data), **quiet)
             out[name] = digest(root / name / "model")

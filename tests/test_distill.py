@@ -198,6 +198,89 @@ def test_inactive_slots_with_nan_teacher_logits_change_nothing():
         assert torch.equal(clean.aux_metrics[key].sum, dirty.aux_metrics[key].sum)
 
 
+@pytest.mark.parametrize("soft_weight, hard_weight", [(1.0, 0.0), (0.0, 1.0), (0.5, 0.5)])
+@pytest.mark.parametrize("poison", ["nan", "+inf", "all -inf"])
+def test_a_broken_teacher_row_on_an_active_slot_makes_the_loss_nan(
+    poison, soft_weight, hard_weight
+):
+    """NaN / +inf in a teacher row, or a row of only -inf, is no distribution: never read as
+    probability 0, whatever the loss weights (0 · NaN = NaN)."""
+    student, teacher, batch = loss_inputs(seed=3)
+    assert bool(batch.active[1, 3])
+    broken = teacher.clone()
+    if poison == "all -inf":
+        broken[1, 3] = -math.inf
+    else:
+        broken[1, 3, 4] = math.nan if poison == "nan" else math.inf
+    loss = DistillationLoss(
+        DistillationLossConfig(soft_weight=soft_weight, hard_weight=hard_weight)
+    )
+    clean = loss(student_scores(student), DiffusionDistillationBatch(batch, teacher))
+    out = loss(student_scores(student), DiffusionDistillationBatch(batch, broken))
+    assert torch.isfinite(clean.primary.sum)
+    assert torch.isnan(out.primary.sum)
+    assert torch.isnan(out.aux_metrics["distill/soft_loss"].sum)
+
+
+def test_minus_inf_entries_in_a_finite_teacher_row_are_probability_zero():
+    """-inf for some tokens (besides the MASK logit) is a legitimate "impossible": the loss is
+    the hand computation with those tokens left out, finite."""
+    student, teacher, batch = loss_inputs(seed=4)
+    teacher[0, 0, 2] = teacher[2, 4, 5] = -math.inf
+    out = DistillationLoss()(student_scores(student), DiffusionDistillationBatch(batch, teacher))
+    total, *_ = reference_loss(
+        student, teacher, batch.target_ids, batch.loss_weights, 1.0, 1.0, 0.0
+    )
+    assert torch.isfinite(out.primary.sum)
+    assert float(out.primary.value) == pytest.approx(total, rel=1e-5)
+
+
+def distill_micro_batches(model, poisoned_micro: int | None, poison=math.nan):
+    """Two micro-batches of 2 rows with fixed canvases and teacher logits (the teacher's
+    logits of micro-batch ``poisoned_micro`` carry ``poison`` at one active slot)."""
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(3, 16, (4, 9), generator=g)
+    targets = torch.randint(3, 16, (4, 4), generator=g)
+    teacher = torch.randn(4, 4, 16, generator=g) * 2
+    teacher[..., MASK] = -math.inf
+    if poisoned_micro is not None:
+        teacher[2 * poisoned_micro + 1, 2, 7] = poison
+    batch = DiffusionTokenBatch({"ids": ids}, targets, torch.ones(4, 4))
+    return DiffusionDistillationBatch(batch, teacher).split(2)
+
+
+def distill_loss_fn(model, micro, _generator):
+    ids = micro.student_batch.model_inputs["ids"]
+    return DistillationLoss(DistillationLossConfig(hard_weight=0.3))(
+        student_scores(model(ids, None, 5)[:, 5:]), micro
+    )
+
+
+def trainer_state(trainer):
+    state = {f"p.{k}": v.clone() for k, v in trainer.model.state_dict().items()}
+    for i, entry in trainer.optimizer.state_dict()["state"].items():
+        state.update({f"o.{i}.{k}": v.clone() for k, v in entry.items()})
+    return state, (trainer.optimizer_steps, trainer.scheduler.last_epoch)
+
+
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+@pytest.mark.parametrize("poisoned_micro", [0, 1])
+def test_trainer_skips_and_counts_a_step_with_a_nan_teacher(poisoned_micro, poison):
+    model = tiny_model(seed=0).train()
+    trainer = Trainer(model, distill_loss_fn, OptimConfig(lr=1e-2))
+    assert trainer.train_step(distill_micro_batches(model, None)).applied  # optimizer state
+    before, counters = trainer_state(trainer)
+    result = trainer.train_step(distill_micro_batches(model, poisoned_micro, poison))
+    assert not result.applied
+    assert trainer.skipped_nonfinite == 1 and result.metrics["skipped_nonfinite"] == 1.0
+    after, counters_after = trainer_state(trainer)
+    assert before.keys() == after.keys() and len(after) > len(list(model.parameters()))
+    assert all(torch.equal(before[k], after[k]) for k in before)  # bitwise unchanged
+    assert counters_after == counters and trainer.global_step == 2
+    assert trainer.train_step(distill_micro_batches(model, None)).applied  # and it goes on
+    assert trainer.skipped_nonfinite == 1
+
+
 def test_loss_config_validation_names_the_field():
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValidationError, match="temperature"):
@@ -397,6 +480,33 @@ def test_stale_rollouts_are_refused_by_weights_version():
         learner.step(as_rollout(fresh))  # the same rollout again: weights that are gone
     with pytest.raises(VocabularyMismatchError):
         make_learner(student, tiny_model(vocab=17))
+
+
+class NaNRowTeacher(torch.nn.Module):
+    """The wrapped teacher, except that row 0 of every forward it runs is NaN (no
+    ``forward_block``: the teacher walk runs full canvases through ``forward``)."""
+
+    def __init__(self, teacher) -> None:
+        super().__init__()
+        self.teacher = teacher
+        self.vocab_size, self.mask_token_id = teacher.vocab_size, teacher.mask_token_id
+        self.attention, self.block_size = teacher.attention, teacher.block_size
+
+    def forward(self, input_ids, key_mask, prompt_length):
+        logits = self.teacher(input_ids, key_mask, prompt_length).clone()
+        logits[0] = math.nan
+        return logits
+
+
+def test_learner_skips_and_counts_a_step_whose_teacher_returns_nan():
+    student = tiny_model(seed=0)
+    roles, learner = make_learner(student, NaNRowTeacher(tiny_model(seed=1)))
+    learner.micro_batch_size = 3
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    metrics = learner.step(as_rollout(student_trace(roles.rollout, batch=6)))
+    assert learner.trainer.skipped_nonfinite == 1 and metrics["skipped_nonfinite"] == 1.0
+    assert learner.trainer.optimizer_steps == 0 and not learner.trainer.optimizer.state
+    assert all(torch.equal(before[k], v) for k, v in student.state_dict().items())
 
 
 def test_on_policy_steps_pull_the_student_to_the_teacher():

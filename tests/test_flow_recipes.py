@@ -27,6 +27,7 @@ from diffusion_rl.recipes.flow_sft import run_flow_sft
 from diffusion_rl.rewards import GenEvalReward
 from diffusion_rl.rollout import rollout_seed
 from diffusion_rl.sampling.flow import FlowSamplerConfig, flow_sigmas, sample_flow, step_noise
+from diffusion_rl.seeding import noise_keys
 from diffusion_rl.tasks.geneval import GenEvalTask
 from diffusion_rl.train import Trainer
 
@@ -158,20 +159,18 @@ def test_shipped_configs_match_the_defaults(name, cls):
 
 def test_flow_sft_first_loss_is_the_hand_computed_one(sft_run):
     """A fresh DiT predicts v = 0 (adaLN-Zero), so the first step's loss is the mean over rows
-    of mean((ε − x0)²), with σ, ε and the dropout drawn per micro-batch from the trainer's
-    generator and x0 = 2·render − 1 of training batch 0."""
+    of mean((ε − x0)²), with σ then ε drawn from each row's own stream, keyed by
+    ``noise_keys(dataset index, seed 0, step 0)``, and x0 = 2·render − 1 of training batch 0."""
     root, _ = sft_run
     task = GenEvalTask()
     _, images = task.train_batch(0, 8)
     x0 = images * 2 - 1
-    generator = torch.Generator().manual_seed(0)
     total = 0.0
-    for lo in range(0, 8, 3):
-        rows = x0[lo : lo + 3]
-        torch.rand(rows.shape[0], generator=generator)  # σ (irrelevant: the prediction is 0)
-        noise = torch.randn(tuple(rows.shape), generator=generator)
-        torch.rand(rows.shape[0], generator=generator)  # condition dropout
-        total += float((noise - rows).square().flatten(1).mean(1).sum())
+    for row, key in enumerate(noise_keys(range(8), 0, 0).tolist()):
+        generator = torch.Generator().manual_seed(key)
+        torch.rand((), generator=generator)  # σ (irrelevant: the prediction is 0)
+        noise = torch.randn(tuple(x0.shape[1:]), generator=generator)
+        total += float((noise - x0[row]).square().mean())
     first = read_records(root / "sft" / "metrics.jsonl")[0]
     assert first["step"] == 1
     assert first["loss"] == pytest.approx(total / 8, rel=1e-6)
@@ -262,8 +261,8 @@ def test_flow_grpo_from_the_sft_model(tmp_path, sft_run):
 
     records = [r for r in read_records(out / "metrics.jsonl") if "loss" in r]
     first = records[0]
-    assert first["flow_grpo/ratio_min@iter0"] == 1.0 == first["flow_grpo/ratio_max@iter0"]
-    assert first["flow_grpo/parity_max_abs@iter0"] == 0.0
+    assert first["flow_grpo/ratio_min"] == 1.0 == first["flow_grpo/ratio_max"]
+    assert first["flow_grpo/parity_max_abs"] == 0.0
     # 3 trained steps (of 4, the last one ODE) x 2 sampler forward groups of 4 rows
     assert first["learner/micro_batches"] == 6.0
 

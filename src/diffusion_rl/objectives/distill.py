@@ -19,6 +19,12 @@ Invariants:
   arithmetic, so NaN/inf teacher or student logits there change neither loss nor gradient;
 * vocabulary entries the teacher gives probability 0 (e.g. the MASK logit at -inf) add
   exactly 0, even where the student's logit is -inf too (no ``0 · ∞``);
+* a broken teacher is never read as probability 0: an *active* slot whose teacher logits hold
+  a NaN or a +inf, or are all -inf (no distribution at all), has ``soft_i = NaN``, so the
+  micro-batch's loss is NaN — whatever α_soft, since ``0 · NaN = NaN`` — and the
+  :class:`~diffusion_rl.train.Trainer` skips the step and counts it in ``skipped_nonfinite``
+  (parameters and optimizer state untouched). -inf entries in an otherwise finite row are
+  legitimate (a token the teacher rules out) and stay probability 0;
 * float32 throughout, whatever the input dtype.
 
 Aux metrics (weighted by ``w``, reduced globally): ``distill/soft_loss`` (mean soft_i),
@@ -37,9 +43,9 @@ from ..contracts import DiffusionDistillationBatch, LossOutput, WeightedMetric
 
 class DistillationLossConfig(BaseModel):
     """``temperature`` T (finite, > 0) of the soft term; ``soft_weight`` α_soft and
-    ``hard_weight`` α_hard (finite, >= 0, not both 0)."""
+    ``hard_weight`` α_hard (finite, >= 0, not both 0). Strict types (no bools for numbers)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     temperature: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     soft_weight: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
@@ -59,13 +65,16 @@ def soft_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) ->
     """``T² · KL(softmax(teacher / T) ‖ softmax(student / T))`` over the last dim, float32.
 
     ``student``, ``teacher`` ``[..., V]`` (finite, or -inf where a token is impossible).
-    Entries with teacher probability 0 contribute exactly 0.
+    Entries with teacher probability 0 contribute exactly 0. A teacher row that is not a
+    distribution (any NaN or +inf, or every entry -inf) gives NaN, never a finite value.
     """
-    log_p = torch.log_softmax(teacher.float() / temperature, dim=-1)
+    teacher = teacher.float()
+    log_p = torch.log_softmax(teacher / temperature, dim=-1)
     log_q = torch.log_softmax(student.float() / temperature, dim=-1)
     possible = log_p > -torch.inf
     terms = torch.where(possible, log_p.exp() * (log_p - torch.where(possible, log_q, 0.0)), 0.0)
-    return temperature**2 * terms.sum(-1)
+    broken = (teacher.isnan() | teacher.isposinf()).any(-1) | teacher.isneginf().all(-1)
+    return torch.where(broken, torch.nan, temperature**2 * terms.sum(-1))
 
 
 class DistillationLoss:

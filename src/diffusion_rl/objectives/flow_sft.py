@@ -12,10 +12,16 @@ unconditional one with probability ``p`` (trains the unconditional branch CFG ne
 Computed in float32.
 
 Batch (a dict, moved to the device by the trainer): ``latents`` ``[B, *latent_shape]``,
-``cond`` (batch-first tensors), optionally ``uncond`` (default ``model.empty_condition(B)``)
-and ``weights [B]`` (default 1). Random draws, all from the trainer's CPU generator, in this
-order: σ ``[B]`` (``rand`` or ``randn``), ε ``[B, *latent]`` (``randn``), then the dropout
-``rand [B]`` when ``cond_dropout > 0``.
+``cond`` (batch-first tensors), ``noise_seeds [B]`` (int64 noise keys,
+:func:`~diffusion_rl.seeding.noise_keys`), optionally ``uncond`` (default
+``model.empty_condition(B)``) and ``weights [B]`` (default 1).
+
+Randomness is per row: row b draws from its own stream
+``torch.Generator().manual_seed(noise_seeds[b])``, in this order: σ (``rand(())``, or
+``randn(())`` for logit-normal), ε (``randn(*latent_shape)``), then the dropout uniform
+``rand(())`` when ``cond_dropout > 0``. The trainer's shared generator is not used, so a
+row's draws depend on its key (and the latent shape) only: however the batch is split into
+micro-batches, and wherever the row sits in it, the update is the same.
 """
 
 from __future__ import annotations
@@ -28,15 +34,21 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..contracts import LossOutput, WeightedMetric
 from ..models.protocol import Conditioning, VelocityModel
+from ..seeding import RowStreams
+
+NOISE_SEEDS = "noise_seeds"
 
 
 class FlowSFTConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """σ sampling (``uniform`` or ``logit_normal`` with ``logit_mean`` / ``logit_std``) and
+    the ``cond_dropout`` fraction of unconditional rows. Strict types, finite floats."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     sigma_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
     logit_mean: float = Field(default=0.0, allow_inf_nan=False)
     logit_std: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
-    cond_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    cond_dropout: float = Field(default=0.0, ge=0.0, lt=1.0, allow_inf_nan=False)
 
 
 def flow_sft_batch(
@@ -44,20 +56,31 @@ def flow_sft_batch(
     latents: torch.Tensor,
     prompts: Sequence[str],
     weights: torch.Tensor | None = None,
+    *,
+    noise_seeds: torch.Tensor,
 ) -> dict:
-    """A batch for :class:`FlowMatchingSFT` from clean latents and their prompts."""
-    if len(prompts) != latents.shape[0]:
-        raise ValueError(
-            f"prompts: expected {latents.shape[0]} (one per latent), got {len(prompts)}"
-        )
-    batch = {"latents": latents, "cond": model.encode_prompts(list(prompts))}
+    """A batch for :class:`FlowMatchingSFT` from clean latents, their prompts and the rows'
+    noise keys (int64 ``[B]``, e.g. ``noise_keys(dataset_indices, seed, step)``)."""
+    rows = latents.shape[0]
+    if len(prompts) != rows:
+        raise ValueError(f"prompts: expected {rows} (one per latent), got {len(prompts)}")
+    if not isinstance(noise_seeds, torch.Tensor) or tuple(noise_seeds.shape) != (rows,):
+        shape = tuple(noise_seeds.shape) if isinstance(noise_seeds, torch.Tensor) else noise_seeds
+        raise ValueError(f"noise_seeds: expected an int64 tensor [B={rows}], got {shape!r}")
+    batch = {
+        "latents": latents,
+        "cond": model.encode_prompts(list(prompts)),
+        NOISE_SEEDS: noise_seeds,
+    }
     if weights is not None:
         batch["weights"] = weights
     return batch
 
 
 class FlowMatchingSFT:
-    """``loss_fn(model, batch, generator) -> LossOutput`` for :class:`~diffusion_rl.train.Trainer`."""
+    """``loss_fn(model, batch, generator) -> LossOutput`` for :class:`~diffusion_rl.train.Trainer`
+    (``generator`` is accepted for the trainer's call shape and ignored: every draw comes from
+    the batch's per-row ``noise_seeds``)."""
 
     name = "flow_matching_sft"
 
@@ -67,12 +90,33 @@ class FlowMatchingSFT:
     def metadata(self) -> dict:
         return {"name": self.name, **self.config.model_dump()}
 
-    def sample_sigmas(self, rows: int, generator: torch.Generator) -> torch.Tensor:
+    def sample_sigmas(self, streams: RowStreams) -> torch.Tensor:
+        """σ ``[B]``: each row's first draw (uniform, or logit-normal)."""
         cfg = self.config
         if cfg.sigma_sampling == "uniform":
-            return torch.rand(rows, generator=generator)
-        normal = torch.randn(rows, generator=generator)
-        return torch.sigmoid(cfg.logit_mean + cfg.logit_std * normal)
+            return streams.rand()
+        return torch.sigmoid(cfg.logit_mean + cfg.logit_std * streams.randn())
+
+    def noise(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(σ [B], ε [B, *latent], drop [B] bool or None)`` on the CPU from the rows' own
+        streams, in the documented order (``drop`` is None when ``cond_dropout == 0``)."""
+        keys = batch.get(NOISE_SEEDS)
+        if keys is None:
+            raise ValueError(
+                f"batch: missing {NOISE_SEEDS!r}, the per-row noise keys (int64 [B]) flow SFT "
+                "draws σ, ε and the dropout from; build it with flow_sft_batch(..., "
+                "noise_seeds=diffusion_rl.seeding.noise_keys(example_ids, seed, step))"
+            )
+        streams = RowStreams(keys, NOISE_SEEDS)
+        rows = batch["latents"].shape[0]
+        if len(streams) != rows:
+            raise ValueError(f"{NOISE_SEEDS}: expected [B={rows}], got {tuple(keys.shape)}")
+        sigma = self.sample_sigmas(streams)
+        noise = streams.randn(*batch["latents"].shape[1:])
+        drop = None
+        if self.config.cond_dropout > 0:
+            drop = streams.rand() < self.config.cond_dropout
+        return sigma, noise, drop
 
     def __call__(self, model: VelocityModel, batch: dict, generator: torch.Generator) -> LossOutput:
         for key in ("latents", "cond"):
@@ -85,14 +129,12 @@ class FlowMatchingSFT:
         if tuple(weights.shape) != (rows,):
             raise ValueError(f"weights: expected [B={rows}], got {tuple(weights.shape)}")
 
-        sigma = self.sample_sigmas(rows, generator)
-        noise = torch.randn(tuple(x0.shape), generator=generator)
+        sigma, noise, drop = self.noise(batch)
         sigma, noise = sigma.to(device), noise.to(device)
         cond = batch["cond"]
-        if self.config.cond_dropout > 0:
-            drop = (torch.rand(rows, generator=generator) < self.config.cond_dropout).to(device)
+        if drop is not None:
             uncond = batch.get("uncond") or model.empty_condition(rows)
-            cond = _mix(cond, {k: v.to(device) for k, v in uncond.items()}, drop)
+            cond = _mix(cond, {k: v.to(device) for k, v in uncond.items()}, drop.to(device))
 
         s = sigma.view(-1, *([1] * (x0.dim() - 1)))
         x_sigma = (1 - s) * x0 + s * noise

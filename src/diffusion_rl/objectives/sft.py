@@ -6,8 +6,15 @@ loss is the weighted cross-entropy on the masked slots,
 ``loss_weight_i / t`` (``"inverse_t"``, the MDLM NELBO weighting) on masked slots, 0 elsewhere.
 Float32, target-aligned (no shift), MASK logit at -inf, inactive slots sanitised.
 
-Batch: ``model_inputs`` ``prompt_ids [B, P]``, ``prompt_mask [B, P]``; ``target_ids [B, L]``
-the clean completion; ``loss_weights [B, L]``.
+Batch: ``model_inputs`` ``prompt_ids [B, P]``, ``prompt_mask [B, P]`` and ``noise_seeds [B]``
+(int64 noise keys, :func:`~diffusion_rl.seeding.noise_keys`); ``target_ids [B, L]`` the clean
+completion; ``loss_weights [B, L]``.
+
+Randomness is per row: row b draws from its own stream
+``torch.Generator().manual_seed(noise_seeds[b])``, first ``t_b = eps + (1 - eps) · rand(())``,
+then ``u_b = rand(L)``; slot i is masked iff ``u_b[i] < t_b`` (and active). The trainer's
+shared generator is not used, so a row's mask depends on its key and ``L`` only: however the
+batch is split into micro-batches, and wherever the row sits in it, the update is the same.
 """
 
 from __future__ import annotations
@@ -20,13 +27,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..contracts import DiffusionTokenBatch, LossOutput, WeightedMetric, validate_diffusion_logits
 from ..models.protocol import TokenDenoiser
+from ..seeding import RowStreams
+
+NOISE_SEEDS = "noise_seeds"
 
 
 class MaskedDiffusionSFTConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Masked-diffusion SFT: ``weighting`` of the masked CE (``plain`` or MDLM's
+    ``inverse_t``) and ``t ~ U(eps, 1)``. Strict types, finite floats."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     weighting: Literal["plain", "inverse_t"] = "plain"
-    eps: float = Field(default=1e-3, gt=0.0, lt=1.0)
+    eps: float = Field(default=1e-3, gt=0.0, lt=1.0, allow_inf_nan=False)
 
 
 def sanitised_cross_entropy(
@@ -40,7 +53,9 @@ def sanitised_cross_entropy(
 
 
 class MaskedDiffusionSFT:
-    """``loss_fn(model, batch, generator) -> LossOutput`` for :class:`~diffusion_rl.train.Trainer`."""
+    """``loss_fn(model, batch, generator) -> LossOutput`` for :class:`~diffusion_rl.train.Trainer`
+    (``generator`` is accepted for the trainer's call shape and ignored: every draw comes from
+    the batch's per-row ``noise_seeds``)."""
 
     name = "masked_diffusion_sft"
 
@@ -50,6 +65,21 @@ class MaskedDiffusionSFT:
     def metadata(self) -> dict:
         return {"name": self.name, **self.config.model_dump()}
 
+    def noise(self, batch: DiffusionTokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(t [B], u [B, L])`` on the CPU, float32, from the rows' own streams (see the
+        module docstring); a slot is masked iff active and ``u < t``."""
+        keys = batch.model_inputs.get(NOISE_SEEDS)
+        if keys is None:
+            raise ValueError(
+                f"model_inputs: missing {NOISE_SEEDS!r}, the per-row noise keys (int64 [B]) SFT "
+                "draws its masks from; add model_inputs['noise_seeds'] = "
+                "diffusion_rl.seeding.noise_keys(example_ids, seed, step)"
+            )
+        streams = RowStreams(keys, f"model_inputs[{NOISE_SEEDS!r}]")
+        eps = self.config.eps
+        t = eps + (1 - eps) * streams.rand()
+        return t, streams.rand(batch.target_ids.shape[1])
+
     def __call__(
         self, model: TokenDenoiser, batch: DiffusionTokenBatch, generator: torch.Generator
     ) -> LossOutput:
@@ -57,12 +87,8 @@ class MaskedDiffusionSFT:
         prompt_mask = batch.model_inputs["prompt_mask"].bool()
         targets, weights = batch.target_ids, batch.loss_weights.float()
         active = batch.active
-        rows, length = targets.shape
-
-        t = self.config.eps + (1 - self.config.eps) * torch.rand(rows, generator=generator)
-        masked = (torch.rand(rows, length, generator=generator) < t[:, None]).to(
-            targets.device
-        ) & active
+        t, u = self.noise(batch)
+        masked = (u < t[:, None]).to(targets.device) & active
         t = t.to(targets.device)
         mask_id = model.mask_token_id
         canvas = torch.where(masked | ~active, torch.full_like(targets, mask_id), targets)

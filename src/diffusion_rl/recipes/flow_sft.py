@@ -5,6 +5,10 @@ Composes: task renders (data by position) → :class:`FlowMatchingSFT` → :clas
 verifier), on the run loop. Also writes ``samples/step_N.png`` (a captioned grid of the
 fixed-seed samples at each evaluation); ``model/`` records the task and the serving sampler,
 so ``flow-grpo`` and ``generate`` need nothing else.
+
+Each training row's σ, ε and dropout are drawn from its own noise key
+``noise_keys(dataset index, seed, trainer step)``, so ``micro_batch_size`` changes memory
+use and nothing else: any split gives the same update.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from ..config import FlowSFTRecipeConfig
 from ..models.dit import FlowDiT, FlowDiTConfig
 from ..models.io import save_model
 from ..objectives.flow_sft import FlowMatchingSFT, flow_sft_batch
+from ..seeding import noise_keys
 from .common import check_model_fits_task, evaluate_image_model, load_ref, trainer_factory
 from .run import Recipe, run
 
@@ -56,7 +61,6 @@ class FlowSFTRecipe(Recipe):
             "batch_size": config.batch_size,
             "micro_batch_size": config.micro_batch_size,
         }
-        self.last_loss: float | None = None
         self.out = Path(config.output_dir)
 
     def describe(self) -> str:
@@ -64,17 +68,24 @@ class FlowSFTRecipe(Recipe):
 
     def step(self) -> dict[str, float]:
         cfg = self.config
+        # train_batch(position, B) holds the examples of indices [position·B, (position+1)·B)
+        first = self.position * cfg.batch_size
+        keys = noise_keys(range(first, first + cfg.batch_size), cfg.seed, self.trainer.global_step)
         examples, images = self.task.train_batch(self.position, cfg.batch_size)
         self.position += 1
         latents = self.model.encode_images(images)
         prompts = [e.prompt for e in examples]
         size = cfg.micro_batch_size or cfg.batch_size
         micro = [
-            flow_sft_batch(self.model, latents[lo : lo + size], prompts[lo : lo + size])
+            flow_sft_batch(
+                self.model,
+                latents[lo : lo + size],
+                prompts[lo : lo + size],
+                noise_seeds=keys[lo : lo + size],
+            )
             for lo in range(0, len(prompts), size)
         ]
         result = self.trainer.train_step(micro)
-        self.last_loss = result.metrics["loss"]
         return result.metrics
 
     def evaluate(self, tag: str):
@@ -96,7 +107,7 @@ class FlowSFTRecipe(Recipe):
     def results(self, history) -> dict[str, Any]:
         return {
             "model_parameters": self.model.num_parameters(),
-            "final_loss": self.last_loss,
+            "final_loss": (self.last_metrics or {}).get("loss"),
             "eval": self.final.to_dict(),
             "grids": sorted(str(p) for p in (self.out / "samples").glob("*.png")),
         }

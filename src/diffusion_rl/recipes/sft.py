@@ -4,6 +4,10 @@ Composes: task (data by position, verifier) → :class:`MaskedDiffusionSFT` → 
 (global weighted accumulation) → :func:`evaluate_task` (the serving sampler + verifier), on
 the run loop (:func:`~diffusion_rl.recipes.run.run`: checkpoints with exact resume,
 ``metrics.jsonl``, ``curves.png``, ``model/``, ``results.json``).
+
+Each training row's masks are drawn from its own noise key
+``noise_keys(dataset index, seed, trainer step)``, so ``micro_batch_size`` changes memory
+use and nothing else: any split gives the same update.
 """
 
 from __future__ import annotations
@@ -11,10 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..config import SFTRecipeConfig
 from ..contracts import DiffusionTokenBatch
 from ..models import DiffusionTransformer, TransformerConfig
 from ..objectives import MaskedDiffusionSFT
+from ..seeding import noise_keys
 from .common import (
     check_tokenizer,
     evaluate_tokens,
@@ -26,10 +33,15 @@ from .common import (
 from .run import Recipe, run
 
 
-def sft_batch(data: dict) -> DiffusionTokenBatch:
-    """Task tensors → the SFT contract (completion = targets, completion mask = weights)."""
+def sft_batch(data: dict, noise_seeds: torch.Tensor) -> DiffusionTokenBatch:
+    """Task tensors → the SFT contract (completion = targets, completion mask = weights);
+    ``noise_seeds`` (int64 ``[B]``) are the rows' noise keys."""
     return DiffusionTokenBatch(
-        model_inputs={"prompt_ids": data["prompt_ids"], "prompt_mask": data["prompt_mask"]},
+        model_inputs={
+            "prompt_ids": data["prompt_ids"],
+            "prompt_mask": data["prompt_mask"],
+            "noise_seeds": noise_seeds,
+        },
         target_ids=data["completion_ids"],
         loss_weights=data["completion_mask"].float(),
     )
@@ -75,7 +87,6 @@ class SFTRecipe(Recipe):
             "batch_size": config.batch_size,
             "micro_batch_size": config.micro_batch_size,
         }
-        self.last_loss: float | None = None
 
     def describe(self) -> str:
         return (
@@ -85,10 +96,11 @@ class SFTRecipe(Recipe):
 
     def step(self) -> dict[str, float]:
         cfg = self.config
-        batch = sft_batch(self.task.train_batch(self.position, cfg.batch_size))
+        indices = self.task.train_indices(self.position, cfg.batch_size)
+        keys = noise_keys(indices, cfg.seed, self.trainer.global_step)
+        batch = sft_batch(self.task.batch(indices, "train"), keys)
         self.position += 1
         result = self.trainer.train_step(batch.split(cfg.micro_batch_size or cfg.batch_size))
-        self.last_loss = result.metrics["loss"]
         return result.metrics
 
     def evaluate(self, tag: str):
@@ -103,7 +115,7 @@ class SFTRecipe(Recipe):
     def results(self, history) -> dict[str, Any]:
         return {
             "model_parameters": self.model.num_parameters(),
-            "final_loss": self.last_loss,
+            "final_loss": (self.last_metrics or {}).get("loss"),
             "eval": self.final.to_dict(),
         }
 

@@ -7,10 +7,16 @@ freshly noised canvases instead, as public dLLM RL systems do. Every scorer here
     ``score(batch, generator=None) -> ReplayScores``
 
 with ``logprobs`` float32 ``[B, L]`` per active slot (0 on inactive slots) and ``entropy``
-None. ``generator`` is a CPU ``torch.Generator`` that draws every mask and time (moved to the
-model's device afterwards); ``None`` means a fresh generator seeded with
-:data:`DEFAULT_SEED`, so such calls repeat exactly. The draws, in order, are documented per
-estimator so that a test (or a reader) can replay them by hand.
+None. Masks and times are drawn on the CPU (moved to the model's device afterwards), in the
+order documented per estimator so that a test (or a reader) can replay them by hand, from
+
+* the rows' own streams when ``model_inputs`` has ``noise_seeds`` (int64 ``[B]`` noise keys,
+  :class:`~diffusion_rl.seeding.RowStreams`): a row's draws are then a function of its key
+  alone, so they do not depend on the micro-batch it is in or its position there, and
+  ``generator`` is ignored (what :class:`~diffusion_rl.train.plans.TokenPolicyPlan` gives);
+  "``rand(B, P)``" below then means row b's ``rand(P)`` from its stream, and so on;
+* otherwise ``generator``, one stream shared by the batch (``None``: a fresh generator seeded
+  with :data:`DEFAULT_SEED`, so such calls repeat exactly).
 
 Conventions shared by all estimators: the clean completion is ``completion_ids`` as given
 (unsampled slots hold the stop/fill id); masks cover every completion slot, and scores are
@@ -36,11 +42,13 @@ import torch
 from ..contracts import DiffusionTokenBatch
 from ..kernels import KERNELS
 from ..models.protocol import TokenDenoiser
+from ..seeding import RowStreams
 from .packed import PackedReplayScorer, score_actions
 from .replay import ReplayScorer, ReplayScores
 
 DEFAULT_SEED = 0
 ESTIMATOR_INPUTS = ("prompt_ids", "prompt_mask", "completion_ids")
+NOISE_SEEDS = "noise_seeds"
 
 
 class TraceScorer(Protocol):
@@ -54,6 +62,18 @@ class TraceScorer(Protocol):
 def _check_temperature(temperature: float) -> None:
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature: expected a finite value >= 0, got {temperature}")
+
+
+class _SharedStream:
+    """``generator`` drawn for all B rows at once: ``rand(*shape)`` is ``rand(B, *shape)``
+    (the interface of :class:`~diffusion_rl.seeding.RowStreams`)."""
+
+    def __init__(self, generator: torch.Generator, rows: int) -> None:
+        self.generator = generator
+        self.rows = rows
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand((self.rows, *shape), generator=self.generator)
 
 
 class _Estimator:
@@ -74,14 +94,18 @@ class _Estimator:
                 f"model_inputs: the {self.name} estimator needs {list(ESTIMATOR_INPUTS)}, "
                 f"missing {missing}; build the batch with TokenTrace.prepare()"
             )
-        if generator is None:
-            generator = torch.Generator().manual_seed(DEFAULT_SEED)
         inputs = batch.model_inputs
+        if NOISE_SEEDS in inputs:
+            streams = RowStreams(inputs[NOISE_SEEDS], f"model_inputs[{NOISE_SEEDS!r}]")
+        else:
+            if generator is None:
+                generator = torch.Generator().manual_seed(DEFAULT_SEED)
+            streams = _SharedStream(generator, batch.batch_size)
         return (
             inputs["prompt_ids"],
             inputs["prompt_mask"].bool(),
             inputs["completion_ids"],
-            generator,
+            streams,
         )
 
     def _logprobs(
@@ -139,9 +163,9 @@ class MeanFieldEstimator(_Estimator):
     def score(
         self, batch: DiffusionTokenBatch, generator: torch.Generator | None = None
     ) -> ReplayScores:
-        prompt_ids, prompt_mask, completion, generator = self._inputs(batch, generator)
+        prompt_ids, prompt_mask, completion, streams = self._inputs(batch, generator)
         mask_id = self.model.mask_token_id
-        u = torch.rand(prompt_ids.shape, generator=generator).to(prompt_ids.device)
+        u = streams.rand(prompt_ids.shape[1]).to(prompt_ids.device)
         remask = prompt_mask & (u < self.prompt_mask_prob)
         prompts = torch.where(remask, mask_id, prompt_ids)
         masked = torch.full_like(completion, mask_id)
@@ -181,10 +205,10 @@ class CoupledEstimator(_Estimator):
     def score(
         self, batch: DiffusionTokenBatch, generator: torch.Generator | None = None
     ) -> ReplayScores:
-        prompt_ids, prompt_mask, completion, generator = self._inputs(batch, generator)
+        prompt_ids, prompt_mask, completion, streams = self._inputs(batch, generator)
         lo, hi = self.t_range
-        t = (lo + (hi - lo) * torch.rand(completion.shape[0], generator=generator))[:, None]
-        m = torch.rand(completion.shape, generator=generator) < t
+        t = (lo + (hi - lo) * streams.rand())[:, None]
+        m = streams.rand(completion.shape[1]) < t
         t, m = t.to(completion.device), m.to(completion.device)
         mask = torch.full_like(completion, self.model.mask_token_id)
         passes = torch.stack(
@@ -220,11 +244,11 @@ class ELBOEstimator(_Estimator):
     def score(
         self, batch: DiffusionTokenBatch, generator: torch.Generator | None = None
     ) -> ReplayScores:
-        prompt_ids, prompt_mask, completion, generator = self._inputs(batch, generator)
+        prompt_ids, prompt_mask, completion, streams = self._inputs(batch, generator)
         times, masks = [], []
         for _ in range(self.num_samples):
-            t = self.eps + (1.0 - self.eps) * torch.rand(completion.shape[0], generator=generator)
-            masks.append(torch.rand(completion.shape, generator=generator) < t[:, None])
+            t = self.eps + (1.0 - self.eps) * streams.rand()
+            masks.append(streams.rand(completion.shape[1]) < t[:, None])
             times.append(t[:, None])
         t = torch.stack(times).to(completion.device)  # [N, B, 1]
         m = torch.stack(masks).to(completion.device)  # [N, B, L]

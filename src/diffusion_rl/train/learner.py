@@ -22,8 +22,9 @@ see the same states, actions and shapes: before any update the ratio is 1 and th
 A world plugs in through a :class:`LearnerPlan` (see :mod:`diffusion_rl.train.plans`): the
 token GRPO family, Flow-GRPO and on-policy distillation are three small plans on this one
 loop. Everything a step needs passes through arguments: ``pin`` returns the settings, the
-micro-batch index travels with its batch (it keys the draws of stochastic estimators, so
-all passes and inner iterations see the same draws).
+micro-batch index travels with its batch. Stochastic estimators draw per row from keys the
+plan attaches (trace seed, rollout step), so every pass, inner iteration and micro-batch split
+sees the same draws; the per-micro-batch generator serves only keyless estimators.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 * :class:`TokenPolicyPlan` — GRPO / DAPO / Dr.GRPO on token traces: micro-batches of rows of
   :meth:`TokenTrace.prepare`, scored by exact replay (or packed replay, or an approximate
-  estimator for ablations); the reference and snapshot log-probs go into ``model_inputs``.
+  estimator for ablations, whose masks each row draws from its own noise key
+  ``noise_keys(trace seed, rollout step)``, so they do not depend on the split); the
+  reference and snapshot log-probs go into ``model_inputs``.
 * :class:`FlowPolicyPlan` — Flow-GRPO on flow traces: the trained SDE steps (a subsample
   drawn from ``(seed, rollout step)``), one micro-batch per (sampler forward group, step),
   replayed through the trace's SDE kernel; reference means and snapshot log-probs go into
@@ -29,6 +31,7 @@ from ..scoring.estimators import make_scorer
 from ..scoring.flow import FlowReplayScorer, FlowStepScores
 from ..scoring.replay import ReplayScorer, ReplayScores
 from ..scoring.teacher import TeacherScorer, check_same_vocabulary
+from ..seeding import noise_keys
 from ..trace import FlowTrace, TokenTrace
 from .roles import PolicyRoles
 
@@ -86,6 +89,10 @@ class TokenPolicyPlan:
         if rollout.advantages is None:
             raise ValueError("rollout: it carries no advantages; collect it with an AdvantageSpec")
         batch = rollout.trace.prepare(self.post_stop_weight, advantages=rollout.advantages)
+        if self.scorer not in EXACT_SCORERS:  # per-row estimator noise: split-invariant
+            keys = noise_keys(rollout.trace.seeds, rollout_step)
+            inputs = {**batch.model_inputs, "noise_seeds": keys}
+            batch = DiffusionTokenBatch(inputs, batch.target_ids, batch.loss_weights)
         return batch.split(micro_batch_size or batch.batch_size)
 
     def score(self, model, batch, settings, *, live, generator) -> ReplayScores:
