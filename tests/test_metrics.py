@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -140,10 +142,149 @@ def test_tensorboard_required_but_missing_points_at_the_extra(tmp_path, monkeypa
         assert not log.tensorboard_enabled
 
 
-def test_progress_bar_respects_env(monkeypatch):
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_bar_draws_only_on_a_terminal_and_respects_env(monkeypatch, tty):
+    stderr = _Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
     monkeypatch.setenv("DIFFUSION_RL_NO_PROGRESS", "1")
     with progress(10, "train") as bar:
         assert bar.disable
     monkeypatch.delenv("DIFFUSION_RL_NO_PROGRESS")
     with progress(10, "train") as bar:
-        assert not bar.disable and bar.total == 10 and bar.desc.startswith("train")
+        assert bar.disable is not tty and bar.total == 10
+        for _ in range(10):
+            bar.update(1)
+    # a log file (not a TTY) gets no carriage-return redraws at all
+    assert ("\r" in stderr.getvalue()) is tty
+    assert ("train" in stderr.getvalue()) is tty
+
+
+# ----------------------------------------------------------------------------- resume logs
+def write_lines(path, steps):
+    path.write_text(
+        "".join(json.dumps({"step": s, "time": 0.0, "loss": s / 10}) + "\n" for s in steps)
+    )
+
+
+def test_truncate_metrics_keeps_the_lines_of_the_restored_state(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert loggers.truncate_metrics(path, 3) == 0  # absent: nothing to do
+    write_lines(path, [1, 2, 3, 3, 4, 5])  # line 4: an eval line of step 3
+    assert loggers.truncate_metrics(path, 4) == 2
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 3]
+    assert loggers.truncate_metrics(path, 4) == 0 and loggers.truncate_metrics(path, 9) == 0
+    # no recorded count: keep the lines up to the checkpoint's step
+    write_lines(path, [1, 2, 3, 4, 5, 4, 5])
+    assert loggers.truncate_metrics(path, through_step=3) == 4
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    # a line cut short by a kill is removed, whatever the count says
+    write_lines(path, [1, 2])
+    with open(path, "a") as handle:
+        handle.write('{"step": 3, "lo')
+    assert loggers.truncate_metrics(path, 5) == 1
+    assert path.read_text().count("\n") == 2 and path.read_text().endswith("}\n")
+    assert loggers.truncate_metrics(path, 0) == 2 and path.read_text() == ""
+    assert not list(tmp_path.glob(".metrics.jsonl.tmp-*"))  # the atomic rewrite cleaned up
+    with pytest.raises(TypeError, match="keep_lines or through_step"):
+        loggers.truncate_metrics(path)
+    with pytest.raises(ValueError, match="keep_lines"):
+        loggers.truncate_metrics(path, -1)
+
+
+def test_logger_counts_lines_and_refuses_a_metric_twice_per_step(tmp_path):
+    write_lines(tmp_path / "metrics.jsonl", [1, 2])
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        assert log.lines == 2
+        log.log(3, {"loss": 0.1})
+        log.log(3, {"eval/accuracy": 0.5})  # another metric of the same step: fine
+        with pytest.raises(ValueError, match=r"metric 'loss': logged twice for step 3"):
+            log.log(3, {"loss": 0.2, "lr": 1.0})
+        log.log(4, {"loss": 0.3})  # a new step: every name is free again
+        assert log.lines == 5
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 3, 4]  # the refused call wrote nothing
+
+
+def _png(path, color):
+    from PIL import Image
+
+    Image.new("RGB", (6, 4), color).save(path)
+    return path
+
+
+def test_tensorboard_resume_purges_later_steps_and_gets_images(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path) as log:
+        for step in range(1, 6):
+            log.log(step, {"loss": float(step)})
+        log.log_images(5, {"eval/samples": _png(tmp_path / "a.png", (255, 0, 0))})
+    with MetricsLogger(tmp_path, purge_step=4) as log:  # resumed from the step-3 checkpoint
+        for step in range(4, 7):
+            log.log(step, {"loss": 10.0 * step})
+        log.log_images(6, {"eval/samples": _png(tmp_path / "b.png", (0, 0, 255))})
+        with pytest.raises(ValueError, match="'eval/samples': logged twice for step 6"):
+            log.log_images(6, {"eval/samples": tmp_path / "b.png"})
+        with pytest.raises(FileNotFoundError, match="missing.png"):
+            log.log_images(7, {"eval/samples": tmp_path / "missing.png"})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert scalars == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+    images = events.Images("eval/samples")
+    assert [(i.step, i.width, i.height) for i in images] == [(6, 6, 4)]  # step 5's was purged
+
+
+class FakeWandb:
+    """A stand-in ``wandb`` module that records what it is asked to do."""
+
+    def __init__(self):
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, data, step):
+        self.logged.append((step, data))
+
+    def finish(self):
+        self.finished += 1
+
+    class Image:
+        def __init__(self, path):
+            self.path = path
+
+        def __eq__(self, other):
+            return isinstance(other, FakeWandb.Image) and other.path == self.path
+
+
+def test_wandb_logger_is_lazy_resume_safe_and_gets_scalars_and_images(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(ImportError, match="pip install wandb"):
+        loggers.WandbLogger("proj", tmp_path, {"steps": 3})
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    grid = _png(tmp_path / "g.png", (0, 255, 0))
+    run = loggers.WandbLogger("proj", tmp_path, {"steps": 3, "optim": {"lr": 0.1}})
+    with MetricsLogger(tmp_path, tensorboard=False, wandb=run) as log:
+        log.log(1, {"loss": 0.5, "grad_norm": math.inf})
+        log.log_images(1, {"eval/samples": grid})
+    assert fake.finished == 1  # closed with the metrics logger
+    assert fake.logged == [
+        (1, {"loss": 0.5, "grad_norm": math.inf}),
+        (1, {"eval/samples": FakeWandb.Image(str(grid))}),
+    ]
+    first = fake.inits[0]
+    assert first["project"] == "proj" and first["resume"] == "allow"
+    assert first["config"] == {"steps": 3, "optim": {"lr": 0.1}} and first["dir"] == str(tmp_path)
+    # a resumed run continues the same wandb run
+    loggers.WandbLogger("proj", tmp_path, {"steps": 3}).close()
+    assert fake.inits[1]["id"] == first["id"] == (tmp_path / "wandb_run_id").read_text().strip()
+    assert len(first["id"]) == 12

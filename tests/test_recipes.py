@@ -1,9 +1,11 @@
 """Configs, the SFT recipe end to end (with a kill and an exact resume) and the CLI."""
 
 import json
+import sys
 
 import pytest
 import torch
+from PIL import Image
 
 from diffusion_rl import cli
 from diffusion_rl.config import (
@@ -18,6 +20,7 @@ from diffusion_rl.config import (
 )
 from diffusion_rl.models import load_model
 from diffusion_rl.recipes.common import token_task
+from diffusion_rl.recipes.run import RunInterrupted
 from diffusion_rl.recipes.sft import run_sft
 from diffusion_rl.train import Trainer
 
@@ -36,6 +39,12 @@ TINY = {
 
 def tiny_config(tmp_path, name="run", **extra):
     return build_config(SFTRecipeConfig, {**TINY, "output_dir": str(tmp_path / name), **extra})
+
+
+def metric_lines(out):
+    """``metrics.jsonl`` without the wall-clock times."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]
 
 
 def test_unknown_keys_are_rejected_by_name(tmp_path):
@@ -119,12 +128,23 @@ def test_sft_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):
         return real_step(self, micro_batches, loss_fn)
 
     monkeypatch.setattr(Trainer, "train_step", dying_step)
-    with pytest.raises(KeyboardInterrupt):
+    checkpoint = tmp_path / "killed" / "checkpoints" / "step_00000003"
+    with pytest.raises(RunInterrupted) as info:  # a KeyboardInterrupt
         run_sft(tiny_config(tmp_path, "killed"), echo=lambda _: None)
+    assert str(info.value) == (
+        f"interrupted during step 5: nothing of it was saved; the last checkpoint, "
+        f"{checkpoint}, is intact"
+    )
     monkeypatch.setattr(Trainer, "train_step", real_step)
-    resumed = run_sft(tiny_config(tmp_path, "killed"), echo=lambda _: None)
+    said = []
+    resumed = run_sft(tiny_config(tmp_path, "killed"), echo=said.append)
+    assert said[:2] == [
+        f"resumed from {checkpoint} at step 3",
+        "metrics.jsonl: removed 1 lines logged after that checkpoint",  # step 4's
+    ]
     assert resumed["steps"] == 6
     assert resumed["history"] == straight["history"]  # kept in the checkpoint state
+    assert metric_lines(tmp_path / "killed") == metric_lines(tmp_path / "straight")
 
     a = load_model(tmp_path / "straight" / "model").model.state_dict()
     b = load_model(tmp_path / "killed" / "model").model.state_dict()
@@ -233,9 +253,11 @@ def test_grpo_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):
         json.loads(line)
         for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert all(
-        r["policy/ratio_mean@iter0"] == 1.0 for r in records if "policy/ratio_mean@iter0" in r
-    )
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["policy/ratio_mean"] == 1.0 for r in steps)  # μ = 1: on-policy, ratio 1
+    # each value once under one name: with μ = 1 the learner's @iter0 copies are not logged
+    assert not any(key.endswith("@iter0") for r in records for key in r)
 
     real_step = Trainer.train_step
 
@@ -310,12 +332,9 @@ def test_grpo_in_bf16_samples_at_the_learner_precision(tmp_path):
     records = [
         json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
     ]
-    steps = [r for r in records if "policy/parity_max_abs@iter0" in r]
+    steps = [r for r in records if "policy/parity_max_abs" in r]
     assert len(steps) == 2
-    assert all(
-        r["policy/parity_max_abs@iter0"] == 0.0 and r["policy/ratio_mean@iter0"] == 1.0
-        for r in steps
-    )
+    assert all(r["policy/parity_max_abs"] == 0.0 and r["policy/ratio_mean"] == 1.0 for r in steps)
 
 
 def test_model_references_are_checked_by_kind_and_small_models_train_on_one_thread(tmp_path):
@@ -339,3 +358,120 @@ def test_model_references_are_checked_by_kind_and_small_models_train_on_one_thre
         run_grpo(build_config(GRPORecipeConfig, {**wrong_kind, "output_dir": str(tmp_path / "g")}))
     with pytest.raises(ConfigError, match="model.kind"):
         build_config(GRPORecipeConfig, {"model": {"path": model, "kind": "video"}})
+
+
+def test_a_finished_run_extended_to_more_steps_evaluates_where_the_longer_run_would(tmp_path):
+    """Resumed from the end of a 6-step run (its last checkpoint precedes its final
+    evaluation), a 9-step run catches up the evaluation due at step 6."""
+    schedule = {"optim": {"total_steps": 9}}
+    run_sft(tiny_config(tmp_path, "extended", steps=6, **schedule), echo=lambda _: None)
+    longer = run_sft(tiny_config(tmp_path, "extended", steps=9, **schedule), echo=lambda _: None)
+    straight = run_sft(tiny_config(tmp_path, "straight", steps=9, **schedule), echo=lambda _: None)
+    assert [h["step"] for h in longer["history"]] == [3, 6, 9]
+    assert longer["history"] == straight["history"]
+    assert metric_lines(tmp_path / "extended") == metric_lines(tmp_path / "straight")
+    a = load_model(tmp_path / "straight" / "model").model.state_dict()
+    b = load_model(tmp_path / "extended" / "model").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class FakeWandb:
+    """A stand-in ``wandb`` module: records init arguments and logged (step, data)."""
+
+    def __init__(self):
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, data, step):
+        self.logged.append((step, dict(data)))
+
+    def finish(self):
+        self.finished += 1
+
+    class Image:
+        def __init__(self, path):
+            self.path = path
+
+
+def test_wandb_gets_the_run_config_and_each_metric_once(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = tiny_config(tmp_path, steps=4, wandb_project="diffusion-rl-tests")
+    run_sft(config, echo=lambda _: None)
+    [init] = fake.inits
+    assert init["project"] == "diffusion-rl-tests" and init["resume"] == "allow"
+    assert init["config"] == config.model_dump(mode="json") and fake.finished == 1
+    pairs = [(step, key) for step, data in fake.logged for key in data]
+    assert len(pairs) == len(set(pairs))  # each metric once per step
+    expected = [(r["step"], k) for r in metric_lines(tmp_path / "run") for k in r if k != "step"]
+    assert pairs == expected  # the same numbers as metrics.jsonl
+    assert [s for s, key in pairs if key == "eval/accuracy"] == [3, 4]
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match="pip install wandb"):
+        run_sft(tiny_config(tmp_path, "other", wandb_project="p"), echo=lambda _: None)
+
+
+def test_leftovers_of_an_interrupted_final_save_are_removed_at_the_next_start(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    staged = [out / ".model.staging", out / "..model.staging.tmp-1a2b3c", out / ".model.retired"]
+    for directory in staged:
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"partial")
+    (out / ".results.json.tmp-0badc0de").write_text("{")
+    (out / ".notes").write_text("not ours")  # anything else stays
+    (out / ".model.mine").mkdir()
+    run_sft(tiny_config(tmp_path, steps=1), echo=lambda _: None)
+    hidden = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+    assert hidden == [".model.mine", ".notes"]
+    assert (out / "model" / "model.safetensors").stat().st_size > 1000
+
+
+def test_image_recipes_log_their_sample_grids_to_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from diffusion_rl.config import FlowSFTRecipeConfig
+    from diffusion_rl.recipes.flow_sft import run_flow_sft
+
+    tiny = {
+        "model": {"patch_size": 4, "d_model": 16, "n_layers": 1, "n_heads": 2},
+        "sampler": {"num_steps": 2},
+        "steps": 2,
+        "batch_size": 4,
+        "eval_every": 1,
+        "eval_samples_per_prompt": 1,
+        "grid_images": 4,
+        "checkpoint_every": 2,
+        "output_dir": str(tmp_path / "flow"),
+    }
+    result = run_flow_sft(build_config(FlowSFTRecipeConfig, tiny), echo=lambda _: None)
+    grids = ["samples/step_000001.png", "samples/step_000002.png"]
+    assert [h.get("grid") for h in result["history"]] == grids  # relative to output_dir
+    events = EventAccumulator(str(tmp_path / "flow" / "tensorboard"))
+    events.Reload()
+    images = events.Images("eval/samples")
+    assert [i.step for i in images] == [1, 2]
+    with Image.open(tmp_path / "flow" / grids[-1]) as png:
+        assert (images[-1].width, images[-1].height) == png.size
+
+
+def test_learner_metrics_are_logged_once_under_one_name():
+    from diffusion_rl.recipes.run import _one_name_per_value
+
+    # what PolicyLearner.step reports for μ = 2: per-iteration copies, plain = the last one
+    metrics = {"loss@iter0": 0.5, "kl@iter0": 0.0, "loss@iter1": 0.4, "kl@iter1": 0.1}
+    metrics.update({"loss": 0.4, "kl": 0.1, "lr": 1e-3, "rollout/reward_mean": 0.25})
+    assert _one_name_per_value(metrics, 2) == {
+        "loss@iter0": 0.5,
+        "kl@iter0": 0.0,
+        "loss": 0.4,
+        "kl": 0.1,
+        "lr": 1e-3,
+        "rollout/reward_mean": 0.25,
+    }
+    single = {"loss@iter0": 0.5, "loss": 0.5, "odd@iter0": 1.0}  # no plain "odd": kept
+    assert _one_name_per_value(single, 1) == {"loss": 0.5, "odd@iter0": 1.0}

@@ -55,7 +55,10 @@ def load_ref(ref: ModelRef, kind: str, field: str) -> LoadedModel:
     expected = ref.kind or kind
     if expected != kind:
         raise ConfigError(f"{field}.kind: this recipe trains {kind} models, got {ref.kind!r}")
-    loaded = load_model(ref.path)
+    try:
+        loaded = load_model(ref.path)
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(f"{field}.path: {error}") from None
     if loaded.kind != kind:
         raise ConfigError(
             f"{field}.path: {ref.path} holds a {loaded.kind} model; this recipe needs a {kind} model"
@@ -139,7 +142,10 @@ def check_model_fits_task(model, task: GenEvalTask, field: str) -> None:
 
 def evaluate_image_model(model, task, sampler, config, step: int, grid: Path):
     """Held-out accuracy per attribute with the ODE sampler at fixed seeds, and a captioned
-    grid of the first ``config.grid_images`` samples at ``grid``: (record, metrics, result)."""
+    grid of the first ``config.grid_images`` samples at ``grid``: (record, metrics, result).
+
+    When a grid is written, ``record["grid"]`` is its path relative to ``config.output_dir``
+    (the run loop logs it as the image ``eval/samples`` at the record's step)."""
     result: ImageEvalResult = evaluate_images(
         model, task, sampler, samples_per_prompt=config.eval_samples_per_prompt, seed=config.seed
     )
@@ -156,4 +162,12 @@ def evaluate_image_model(model, task, sampler, config, step: int, grid: Path):
         save_image_grid(
             result.images[:count], grid, nrow=8, captions=result.captions()[:count], upscale=6
         )
+        record["grid"] = _relative_to(Path(grid), Path(config.output_dir))
     return record, metrics, result
+
+
+def _relative_to(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)

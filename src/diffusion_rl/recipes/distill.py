@@ -89,6 +89,9 @@ class DistillRecipe(OnPolicyRecipe):
         return {"kl": f"{metrics['distill/soft_loss']:.3f}"}
 
     def evaluate(self, tag: str):
+        """The student's accuracy; the first time, also the teacher's (logged that once: it
+        is fixed, and kept in the checkpoints)."""
+        teacher = {}
         if self.teacher_accuracy is None:
             self.teacher_accuracy = evaluate_task(
                 self.teacher,
@@ -97,10 +100,11 @@ class DistillRecipe(OnPolicyRecipe):
                 num_examples=self.config.eval_examples,
                 seed=self.config.seed,
             ).accuracy
+            teacher["eval/teacher_accuracy"] = self.teacher_accuracy
         record, metrics, self.final = evaluate_tokens(
             self.model, self.task, self.eval_sampler, self.config, self.steps_done()
         )
-        return record, {**metrics, "eval/teacher_accuracy": self.teacher_accuracy}
+        return record, {**metrics, **teacher}
 
     def state(self) -> dict[str, Any]:
         return {**super().state(), "teacher_accuracy": self.teacher_accuracy}

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..advantages import OverlongShaping
-from ..config import GRPORecipeConfig
+from ..config import GRPORecipeConfig, check_rewards_for_task
 from ..objectives.grpo import PolicyLoss
 from ..rewards import CombinedReward, get_reward
 from ..rollout import TokenSource
@@ -42,6 +42,7 @@ class GRPORecipe(OnPolicyRecipe):
             config.task, config.sampler.block_size, loaded.info, config.model.path
         )
         check_tokenizer(loaded, task, "model.path")
+        check_rewards_for_task(config.rewards, task.name)  # task: null reads it from the model
         self.name, self.title = policy.algorithm, f"{policy.algorithm} on {task.name}"
         self.model = model = loaded.model.to(config.device)
         self.roles = PolicyRoles(

@@ -6,24 +6,52 @@ learner) in ``__init__`` and says how to take one step, evaluate, save its model
 
 1. prologue: global seed and output directory — *before* the recipe is built, so model
    initialisation sees the seed — and the thread count (``threads``, or
-   :func:`default_threads` for the model's size);
-2. resume: the latest checkpoint of ``output_dir/checkpoints`` is validated against the
-   recipe's metadata and restored (model, optimizer, schedule, RNGs, the recipe's own state,
-   and the evaluation history); existing checkpoints with ``resume: false`` are refused;
+   :func:`default_threads` for the model's size); leftovers of an interrupted final save
+   (``.model.*`` staging directories, ``.*.tmp-*`` files) are removed;
+2. resume: when ``output_dir/checkpoints`` holds checkpoints, the newest usable one is
+   validated against the recipe's metadata and restored (model, optimizer, schedule, RNGs,
+   the recipe's own state, the evaluation history, the count of ``metrics.jsonl`` lines and
+   of consecutive skipped steps); checkpoints that cannot be read stop the run with an error
+   (it never silently restarts from step 0); existing checkpoints with ``resume: false`` are
+   refused. A run whose checkpoint is at ``steps`` and whose ``results.json`` says so is
+   *finished*: nothing is evaluated, logged or written again, and its results are returned;
 3. the loop: ``step()`` until ``steps``; metrics logged every ``log_every`` steps
-   (``metrics.jsonl`` + TensorBoard); an evaluation every ``eval_every`` steps (and one
-   before training when the recipe asks for it, and one at the end), each appended to the
-   history; a checkpoint every ``checkpoint_every`` steps and at the end;
+   (``metrics.jsonl``, TensorBoard, wandb when ``wandb_project`` is set); an evaluation
+   every ``eval_every`` steps (and one before training when the recipe asks for it), each
+   appended to the history; a checkpoint every ``checkpoint_every`` steps and at ``steps``;
+   then the final evaluation;
 4. reports: the recipe's plot (``curves.png`` by default), the final model directory, and
    ``results.json`` (the recipe's numbers plus steps, time, history, skipped steps).
 
-Invariant: the history is part of the checkpoint state, so a killed and resumed run reports
-the same history as a straight one.
+Invariants:
+
+* Nothing lost: every checkpoint records the state of a *completed* step, and everything
+  logged up to it (history, ``metrics.jsonl`` line count, TensorBoard events flushed). A run
+  killed at any moment (``kill -9`` included) and rerun resumes from its last checkpoint,
+  cuts ``metrics.jsonl`` back to that checkpoint's lines and redoes what came after, so it
+  ends with the same model (bitwise), the same history and each step logged once. The final
+  model directory is written to ``.model.staging``, fsynced and renamed over ``model/``;
+  ``results.json`` is replaced atomically and written last, so its presence means the run
+  finished.
+* Ctrl-C: the first SIGINT lets the current step finish, writes a checkpoint of it, says
+  where, and raises :class:`RunInterrupted`; the rerun resumes from that step. A second
+  SIGINT stops at once, saving nothing more (a half-done step is never saved).
+* Nothing silent: after every step the trainable parameters are checked; a non-finite one
+  raises :class:`NonFiniteParametersError` before anything is saved for that step (no
+  checkpoint, no model, no ``results.json``). More than ``max_consecutive_skips`` steps in a
+  row skipped for a non-finite loss or gradient raise :class:`TooManySkippedStepsError` the
+  same way. Skipped steps are reported at the end and in ``results.json``
+  (``skipped_nonfinite``, ``skipped_zero_weight``).
+* Each metric is logged once per step under one name (the logger refuses a repeat).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +63,60 @@ from ..config import ConfigError
 from ..plots import plot_curves
 from ..rollout import collect_rollout
 from ..train import CheckpointManager, MetricsLogger, Trainer, progress
+from ..train.loggers import (
+    METRICS_FILE,
+    WandbLogger,
+    atomic_write_text,
+    fsync_directory,
+    truncate_metrics,
+)
+
+__all__ = [
+    "NonFiniteParametersError",
+    "OnPolicyRecipe",
+    "Recipe",
+    "RunInterrupted",
+    "TooManySkippedStepsError",
+    "TrainingAbortedError",
+    "default_threads",
+    "prologue",
+    "run",
+]
 
 Echo = Callable[[str], None]
+
+MODEL_DIR = "model"
+RESULTS_FILE = "results.json"
+_MODEL_STAGING = ".model.staging"
+_MODEL_RETIRED = ".model.retired"
+# Leftovers of an interrupted write in the output directory: the final model's staging
+# directories (ours, and the scratch and retired copies ``models.io.save_model`` makes beside
+# its target, ``.NAME.tmp-*`` and ``.NAME.old``) and the temporary files of atomic rewrites.
+_LEFTOVER_DIRS = (_MODEL_STAGING, _MODEL_RETIRED, f".{_MODEL_STAGING}.old", f".{MODEL_DIR}.old")
+_LEFTOVER_DIR_PREFIXES = (f".{_MODEL_STAGING}.tmp-", f".{MODEL_DIR}.tmp-")
+_LEFTOVER_FILE_PREFIXES = tuple(
+    f".{name}.tmp-" for name in (RESULTS_FILE, METRICS_FILE, "wandb_run_id")
+)
+
+
+class TrainingAbortedError(RuntimeError, ValueError):
+    """The run was stopped because training went wrong (non-finite values): nothing was saved
+    for the failing step. A ``ValueError`` too, so the CLI reports it as a one-line error
+    with a non-zero exit status."""
+
+
+class NonFiniteParametersError(TrainingAbortedError):
+    """A trainable parameter is NaN or infinite after an update (the message names it, the
+    step, and the fix)."""
+
+
+class TooManySkippedStepsError(TrainingAbortedError):
+    """More than ``max_consecutive_skips`` steps in a row were skipped for a non-finite loss
+    or gradient."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run; the message says which checkpoint a rerun resumes from."""
 
 
 class Recipe:
@@ -44,7 +124,9 @@ class Recipe:
 
     Attributes set by the subclass: ``name`` (progress bar and ``results["recipe"]``),
     ``trainer``, ``metadata`` (checked on resume), ``eval_before`` (evaluate before the first
-    step), ``curves`` (metric keys plotted in ``curves.png``) and ``title``.
+    step), ``curves`` (metric keys plotted in ``curves.png``) and ``title``. Set by
+    :func:`run`: ``last_metrics``, the metrics of the last step taken (kept in checkpoints,
+    so a resumed run reports the same final numbers).
     """
 
     name = "recipe"
@@ -53,6 +135,7 @@ class Recipe:
     title = ""
     trainer: Trainer
     metadata: dict[str, Any]
+    last_metrics: dict[str, float] | None = None
 
     def steps_done(self) -> int:
         """Recipe steps taken so far (a learner step may be several trainer steps)."""
@@ -64,7 +147,9 @@ class Recipe:
 
     def evaluate(self, tag: str) -> tuple[dict[str, Any], dict[str, float]]:  # override
         """Evaluate now; ``tag`` is ``"before"``, ``"step"`` or ``"after"``. Returns the
-        history record (with at least ``step`` and ``accuracy``) and the metrics to log."""
+        history record (with at least ``step`` and ``accuracy``; an optional ``grid``, a PNG
+        path relative to ``output_dir``, is logged as the image ``eval/samples``) and the
+        metrics to log."""
         raise NotImplementedError
 
     position = 0  # the data position: the next training example or prompt
@@ -87,7 +172,7 @@ class Recipe:
 
     def plot(self, out: Path, history: list[dict[str, Any]]) -> Path:
         """The run's figure, ``curves.png``; by default the curves of :attr:`curves`."""
-        return plot_curves(out / "metrics.jsonl", out / "curves.png", list(self.curves), self.title)
+        return plot_curves(out / METRICS_FILE, out / "curves.png", list(self.curves), self.title)
 
     def save_model(self, directory: Path) -> None:  # override
         raise NotImplementedError
@@ -108,6 +193,18 @@ def default_threads(num_parameters: int) -> int:
     if num_parameters < SMALL_MODEL_PARAMETERS:
         return 1
     return torch.get_num_threads()
+
+
+def _one_name_per_value(metrics: dict[str, float], iterations: int) -> dict[str, float]:
+    """The learner reports the objective's metrics per inner iteration (``key@iterN``) and,
+    under the plain ``key``, those of the last one: drop the ``key@iter{μ-1}`` copies, so
+    each value is logged once (plain keys: the last iteration; ``@iterN``: earlier ones)."""
+    suffix = f"@iter{iterations - 1}"
+    return {
+        key: value
+        for key, value in metrics.items()
+        if not (key.endswith(suffix) and key[: -len(suffix)] in metrics)
+    }
 
 
 class OnPolicyRecipe(Recipe):
@@ -140,7 +237,8 @@ class OnPolicyRecipe(Recipe):
                 seed=cfg.seed,
                 **self.rollout_options(),
             )
-        return self.learner.step(rollout)
+        metrics = self.learner.step(rollout)
+        return _one_name_per_value(metrics, self.learner.plan.num_iterations)
 
     def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
         return {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
@@ -155,17 +253,155 @@ class OnPolicyRecipe(Recipe):
 
 def prologue(config: Any) -> Path:
     """Thread count (when set), seed and output directory of a run config; returns the output
-    directory."""
+    directory, cleared of the leftovers of an interrupted final save."""
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out)
     return out
 
 
+def remove_leftovers(out: Path) -> list[Path]:
+    """Remove the staging directories and temporary files an interrupted final save or
+    atomic write left in ``out``; returns what was removed."""
+    removed = []
+    for entry in out.iterdir():
+        name = entry.name
+        if entry.is_dir() and (name in _LEFTOVER_DIRS or name.startswith(_LEFTOVER_DIR_PREFIXES)):
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.is_file() and name.startswith(_LEFTOVER_FILE_PREFIXES):
+            entry.unlink(missing_ok=True)
+        else:
+            continue
+        removed.append(entry)
+    return removed
+
+
+# ----------------------------------------------------------------------------- helpers
+def finished_results(out: Path, step: int, steps: int) -> dict[str, Any] | None:
+    """The results of a finished run in ``out``: its checkpoint is at ``step >= steps`` and its
+    ``results.json`` (written last) reports that step, with the model directory present."""
+    path = out / RESULTS_FILE
+    if step < steps or not path.is_file() or not (out / MODEL_DIR).is_dir():
+        return None
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return None
+    return results if isinstance(results, dict) and results.get("steps") == step else None
+
+
+def first_non_finite(model: torch.nn.Module) -> tuple[str, torch.Tensor] | None:
+    """The first trainable parameter of ``model`` holding NaN or ±inf, as ``(name, tensor)``;
+    ``None`` when all are finite (one device sync for the whole check)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        return None
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named])
+    if bool(finite.all()):
+        return None
+    return named[int((~finite).nonzero()[0])]
+
+
+class _SkipStreak:
+    """Consecutive trainer steps skipped for a non-finite loss or gradient, read from the
+    trainer's counters after each recipe step. Any applied update resets it (for a learner
+    step of μ > 1 trainer steps: one that applied any); zero-weight skips neither count nor
+    reset."""
+
+    def __init__(self, trainer: Trainer, streak: int = 0) -> None:
+        self.trainer = trainer
+        self.streak = streak
+        self._skipped = trainer.skipped_nonfinite
+        self._applied = trainer.optimizer_steps
+
+    def update(self) -> int:
+        skipped = self.trainer.skipped_nonfinite - self._skipped
+        applied = self.trainer.optimizer_steps - self._applied
+        self._skipped, self._applied = self.trainer.skipped_nonfinite, self.trainer.optimizer_steps
+        self.streak = 0 if applied else self.streak + skipped
+        return self.streak
+
+
+class _InterruptGuard:
+    """While active (in the main thread), the first SIGINT is recorded, not raised: the loop
+    finishes the step it is in, checkpoints it and stops. The previous handler is back from
+    then on, so a second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _InterruptGuard:
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if previous not in (signal.SIG_IGN, None):
+                self._previous = previous
+                signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+        os.write(  # async-signal-safe, unlike print
+            2,
+            b"\ninterrupt: finishing the current step, then writing a checkpoint "
+            b"(Ctrl-C again stops at once, without it)\n",
+        )
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def _fsync_tree(root: Path) -> None:
+    for directory, _, files in os.walk(root):
+        for name in files:
+            with open(Path(directory) / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_directory(directory)
+
+
+def save_final_model(recipe: Recipe, out: Path) -> Path:
+    """``recipe.save_model`` into ``out/.model.staging``, fsynced, then renamed over
+    ``out/model`` (the old one is moved aside first and removed after): a kill leaves either
+    the old model or the new one, plus staging that the next start removes."""
+    staging, retired, final = out / _MODEL_STAGING, out / _MODEL_RETIRED, out / MODEL_DIR
+    for leftover in (staging, retired):
+        shutil.rmtree(leftover, ignore_errors=True)
+    recipe.save_model(staging)
+    _fsync_tree(staging)
+    if final.exists():
+        os.rename(final, retired)
+    os.rename(staging, final)
+    fsync_directory(out)
+    shutil.rmtree(retired, ignore_errors=True)
+    return final
+
+
+def _where(checkpoint: Path | None) -> str:
+    if checkpoint is None:
+        return "no checkpoint was written yet, so a rerun starts from step 0"
+    return f"the last checkpoint, {checkpoint}, is intact"
+
+
+def _lr(config: Any) -> str:
+    optim = getattr(config, "optim", None)
+    return f" (now {optim.lr:g})" if optim is not None else ""
+
+
+# ----------------------------------------------------------------------------- the run
 def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict[str, Any]:
-    """Build the recipe with ``build(config)`` after the prologue and run it (module doc)."""
+    """Build the recipe with ``build(config)`` after the prologue and run it (module doc).
+
+    Returns the results (also in ``results.json``). Raises :class:`TrainingAbortedError`
+    when training produced non-finite values, :class:`RunInterrupted` on Ctrl-C (after
+    writing a checkpoint of the last completed step), ``ConfigError`` when ``output_dir``
+    holds checkpoints and ``resume`` is false.
+    """
     out = prologue(config)
     recipe = build(config)
     trainer = recipe.trainer
@@ -173,55 +409,128 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
         torch.set_num_threads(default_threads(sum(p.numel() for p in trainer.model.parameters())))
     manager = CheckpointManager(out / "checkpoints", keep_last=config.keep_last)
     history: list[dict[str, Any]] = []
-    if manager.latest() is not None:
+    resumed_at: int | None = None
+    checkpoint: Path | None = None
+    streak = 0
+    if manager.has_checkpoints():
         if not config.resume:
             raise ConfigError(
                 f"output_dir: {out} already holds checkpoints; set resume: true to continue, "
                 "or choose a new output_dir"
             )
-        state = trainer.resume(manager, recipe.metadata)
+        state = trainer.resume(manager, recipe.metadata, warn=echo)
+        checkpoint = trainer.resumed_from
         recipe.load_state(state["recipe"])
         history = list(state["history"])
-        echo(f"resumed from {manager.latest()} at step {recipe.steps_done()}")
+        resumed_at = recipe.steps_done()
+        done = finished_results(out, resumed_at, config.steps)
+        if done is not None:
+            echo(
+                f"already finished: {out} holds a complete run of {resumed_at} steps; results in "
+                f"{out / RESULTS_FILE}, model in {out / MODEL_DIR} (nothing was changed)"
+            )
+            return done
+        recipe.last_metrics = state.get("last_metrics") or None
+        streak = int(state.get("skip_streak", 0))
+        removed = truncate_metrics(
+            out / METRICS_FILE, state.get("metrics_lines"), through_step=resumed_at
+        )
+        echo(f"resumed from {checkpoint} at step {resumed_at}")
+        if removed:
+            echo(f"{METRICS_FILE}: removed {removed} lines logged after that checkpoint")
+    else:  # a fresh start: what an attempt without any checkpoint logged is void
+        truncate_metrics(out / METRICS_FILE, 0)
+        for stale in (out / "tensorboard").glob("events.out.tfevents.*"):
+            stale.unlink()
     echo(recipe.describe())
 
-    def save() -> None:
-        trainer.save_checkpoint(
-            manager, recipe.metadata, {"recipe": recipe.state(), "history": history}
-        )
-
+    wandb = None
+    if getattr(config, "wandb_project", None):
+        wandb = WandbLogger(config.wandb_project, out, config.model_dump(mode="json"))
+    skips = _SkipStreak(trainer, streak)
+    saved_at = resumed_at
     started = time.perf_counter()
-    with MetricsLogger(out) as logger:
+    purge = None if resumed_at is None else resumed_at + 1
+    with MetricsLogger(out, purge_step=purge, wandb=wandb) as logger:
+
+        def save() -> None:
+            nonlocal saved_at, checkpoint
+            logger.flush()
+            run_state = {
+                "recipe": recipe.state(),
+                "history": history,
+                "metrics_lines": logger.lines,
+                "skip_streak": skips.streak,
+                "last_metrics": recipe.last_metrics or {},
+            }
+            checkpoint = trainer.save_checkpoint(manager, recipe.metadata, run_state)
+            saved_at = recipe.steps_done()
 
         def evaluate(tag: str) -> dict[str, Any]:
             record, metrics = recipe.evaluate(tag)
             history.append(record)
             logger.log(record["step"], metrics)
+            if "grid" in record:
+                logger.log_images(record["step"], {"eval/samples": out / record["grid"]})
             return record
 
-        if recipe.eval_before and not history:
-            evaluate("before")
-        bar = progress(config.steps, recipe.name)
-        bar.update(recipe.steps_done())
-        while recipe.steps_done() < config.steps:
-            metrics = recipe.step()
-            step = recipe.steps_done()
-            bar.update(1)
-            if step % config.log_every == 0:
-                logger.log(step, metrics)
-            postfix = recipe.postfix(metrics)
-            if step % config.eval_every == 0 and step < config.steps:
-                postfix["acc"] = f"{evaluate('step')['accuracy']:.3f}"
-            bar.set_postfix(postfix)
-            if step % config.checkpoint_every == 0:
-                save()
-        bar.close()
-        evaluate("after")
-        if manager.latest() is None or recipe.steps_done() % config.checkpoint_every:
-            save()
+        with _InterruptGuard() as interrupt:
+            bar = progress(config.steps, recipe.name)
+            try:
+                if recipe.eval_before and not history:
+                    evaluate("before")
+                elif (
+                    resumed_at
+                    and resumed_at < config.steps
+                    and resumed_at % config.eval_every == 0
+                    and all(h["step"] != resumed_at for h in history)
+                ):  # resumed from the end of a shorter run: its last evaluation is due
+                    evaluate("step")
+                bar.update(recipe.steps_done())
+                while recipe.steps_done() < config.steps and not interrupt.requested:
+                    metrics = recipe.step()
+                    recipe.last_metrics = metrics
+                    step = recipe.steps_done()
+                    bar.update(1)
+                    if step % config.log_every == 0:
+                        logger.log(step, metrics)
+                    _check_step(config, trainer, skips, step, checkpoint)
+                    postfix = recipe.postfix(metrics)
+                    if step % config.eval_every == 0 and step < config.steps:
+                        accuracy = evaluate("step")["accuracy"]
+                        postfix["acc"] = f"{accuracy:.3f}"
+                        if bar.disable:
+                            echo(f"step {step}/{config.steps}: held-out accuracy {accuracy:.3f}")
+                    bar.set_postfix(postfix)
+                    if step % config.checkpoint_every == 0:
+                        save()
+                if saved_at != recipe.steps_done():
+                    save()  # the last step (or the one Ctrl-C let finish)
+            except KeyboardInterrupt:  # mid-step: a second Ctrl-C, or raised by the step
+                message = (
+                    f"interrupted during step {recipe.steps_done() + 1}: nothing of it was "
+                    f"saved; {_where(checkpoint)}"
+                )
+                echo(message)
+                raise RunInterrupted(message) from None
+            finally:
+                bar.close()
+        if interrupt.requested:
+            message = (
+                f"interrupted: checkpoint of step {saved_at} written to {checkpoint}; run the "
+                "same command again to resume from it"
+            )
+            echo(message)
+            raise RunInterrupted(message)
+        try:
+            evaluate("after")
+        except KeyboardInterrupt:
+            message = f"interrupted in the final evaluation; {_where(checkpoint)}"
+            echo(message)
+            raise RunInterrupted(message) from None
 
     figure = recipe.plot(out, history)
-    recipe.save_model(out / "model")
+    save_final_model(recipe, out)
     results = {
         "recipe": recipe.name,
         "steps": recipe.steps_done(),
@@ -229,8 +538,40 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
         **recipe.results(history),
         "history": history,
         "skipped_nonfinite": trainer.skipped_nonfinite,
-        "model_dir": str(out / "model"),
+        "skipped_zero_weight": trainer.skipped_zero_weight,
+        "model_dir": str(out / MODEL_DIR),
         "curves_png": str(figure),
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_text(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+    if trainer.skipped_nonfinite or trainer.skipped_zero_weight:
+        echo(
+            f"note: trainer steps skipped without an update: {trainer.skipped_nonfinite} for a "
+            f"non-finite loss or gradient, {trainer.skipped_zero_weight} for zero loss weight "
+            f"(skipped_nonfinite, skipped_zero_weight in {out / RESULTS_FILE})"
+        )
     return results
+
+
+def _check_step(
+    config: Any, trainer: Trainer, skips: _SkipStreak, step: int, checkpoint: Path | None
+) -> None:
+    """Fail loudly after a step: too many non-finite skips in a row, or non-finite
+    parameters, raise before anything of this step is saved."""
+    limit = config.max_consecutive_skips
+    if skips.update() > limit:
+        raise TooManySkippedStepsError(
+            f"step {step}: trainer steps skipped in a row for a non-finite loss or gradient: "
+            f"{skips.streak} (max_consecutive_skips: {limit}); training diverged or the "
+            f"data holds NaN/inf: lower optim.lr{_lr(config)}, check the inputs, or raise "
+            f"max_consecutive_skips; nothing was saved for step {step} and {_where(checkpoint)}"
+        )
+    bad = first_non_finite(trainer.model)
+    if bad is not None:
+        name, tensor = bad
+        count = int((~torch.isfinite(tensor.detach())).sum())
+        raise NonFiniteParametersError(
+            f"step {step}: parameter {name!r} has {count} non-finite values (of "
+            f"{tensor.numel()}) after the update; training diverged: lower "
+            f"optim.lr{_lr(config)} or set optim.grad_clip; nothing was saved for this step "
+            f"and {_where(checkpoint)}"
+        )
