@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from safetensors.torch import load_model, save_model
 from torch import nn
 
@@ -55,29 +56,67 @@ DEFAULT_VOCABULARY: tuple[str, ...] = (
 )
 
 
+# The largest sizes a FlowDiTConfig accepts (documented limits, checked before anything is
+# allocated, so an untrusted config.json cannot ask for terabytes). ``patches`` bounds the
+# patch sequence ``(image_size / patch_size)²``, ``vocabulary`` the number of prompt words.
+SIZE_LIMITS: dict[str, int | float] = {
+    "image_size": 4096,
+    "channels": 64,
+    "patch_size": 4096,
+    "d_model": 1 << 16,
+    "n_layers": 1024,
+    "n_heads": 1024,
+    "mlp_ratio": 64.0,
+    "sigma_features": 1 << 16,
+    "max_prompt_tokens": 4096,
+    "vocabulary": 1 << 20,
+    "patches": 1 << 16,
+}
+_INTEGER_FIELDS = (
+    "image_size",
+    "channels",
+    "patch_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "sigma_features",
+    "max_prompt_tokens",
+)
+
+
 class FlowDiTConfig(BaseModel):
     """Size and prompt vocabulary of :class:`FlowDiT` (unknown keys are rejected).
 
     ``vocabulary`` lists the prompt words (default: the mini-GenEval words); ``task`` is free
     JSON recorded with the model (e.g. ``GenEvalTask.info()``) so later stages rebuild the
     task it was trained for. The default (16 px, patches of 4, 96 wide, 4 layers) has 0.73 M
-    parameters.
+    parameters. Sizes are integers (a bool, float or string is refused, not coerced) within
+    :data:`SIZE_LIMITS`; ``mlp_ratio`` and ``norm_eps`` are positive finite numbers.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    image_size: int = Field(default=16, gt=0)
-    channels: int = Field(default=3, gt=0)
-    patch_size: int = Field(default=4, gt=0)
-    d_model: int = Field(default=96, gt=0)
-    n_layers: int = Field(default=4, gt=0)
-    n_heads: int = Field(default=4, gt=0)
-    mlp_ratio: float = Field(default=4.0, gt=0)
-    sigma_features: int = Field(default=64, gt=0)
-    vocabulary: tuple[str, ...] = DEFAULT_VOCABULARY
-    max_prompt_tokens: int = Field(default=8, gt=0)
-    norm_eps: float = 1e-6
+    image_size: int = Field(default=16, gt=0, le=SIZE_LIMITS["image_size"])
+    channels: int = Field(default=3, gt=0, le=SIZE_LIMITS["channels"])
+    patch_size: int = Field(default=4, gt=0, le=SIZE_LIMITS["patch_size"])
+    d_model: int = Field(default=96, gt=0, le=SIZE_LIMITS["d_model"])
+    n_layers: int = Field(default=4, gt=0, le=SIZE_LIMITS["n_layers"])
+    n_heads: int = Field(default=4, gt=0, le=SIZE_LIMITS["n_heads"])
+    mlp_ratio: float = Field(default=4.0, gt=0, le=SIZE_LIMITS["mlp_ratio"], allow_inf_nan=False)
+    sigma_features: int = Field(default=64, gt=0, le=SIZE_LIMITS["sigma_features"])
+    vocabulary: tuple[str, ...] = Field(
+        default=DEFAULT_VOCABULARY, max_length=SIZE_LIMITS["vocabulary"]
+    )
+    max_prompt_tokens: int = Field(default=8, gt=0, le=SIZE_LIMITS["max_prompt_tokens"])
+    norm_eps: float = Field(default=1e-6, gt=0.0, allow_inf_nan=False)
     task: dict[str, Any] | None = None
+
+    @field_validator(*_INTEGER_FIELDS, mode="before")
+    @classmethod
+    def _integers_only(cls, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> FlowDiTConfig:
@@ -85,6 +124,13 @@ class FlowDiTConfig(BaseModel):
             raise ValueError(
                 f"image_size: must be divisible by patch_size={self.patch_size}, "
                 f"got {self.image_size}"
+            )
+        patches = (self.image_size // self.patch_size) ** 2
+        if patches > SIZE_LIMITS["patches"]:
+            raise ValueError(
+                f"patch_size: image_size={self.image_size} in patches of {self.patch_size} gives "
+                f"{patches} patches, more than the limit {SIZE_LIMITS['patches']}; use larger "
+                "patches"
             )
         if self.d_model % self.n_heads:
             raise ValueError(
@@ -100,6 +146,28 @@ class FlowDiTConfig(BaseModel):
                 f"{bad or words}"
             )
         return self
+
+
+def parameter_count(config: FlowDiTConfig) -> int:
+    """The number of parameters of ``FlowDiT(config)``, from the sizes alone (nothing is
+    allocated); equal to ``model.num_parameters()``.
+
+    With ``D`` width, ``P = C p²`` values per patch, ``G² = (S / p)²`` patches, ``W`` words,
+    ``T`` prompt slots, ``E`` σ features, ``H = max(1, round(mlp_ratio D))`` and ``L`` layers:
+    patch embedding ``P D + D`` and positions ``G² D``; word embeddings ``(W + 1) D``, slot
+    positions ``T D``, prompt pool ``D² + D``; σ MLP ``E D + D + D² + D``; per block QKV
+    ``3 D² + 3 D``, projection ``D² + D``, MLP ``2 D H + H + D``, adaLN ``6 D² + 6 D``; final
+    adaLN ``2 D² + 2 D``; output ``D P + P``.
+    """
+    d, h = config.d_model, max(1, round(config.mlp_ratio * config.d_model))
+    per_patch = config.channels * config.patch_size**2
+    patches = (config.image_size // config.patch_size) ** 2
+    embed = per_patch * d + d + patches * d
+    prompt = (len(config.vocabulary) + 1) * d + config.max_prompt_tokens * d + d * d + d
+    sigma = config.sigma_features * d + d + d * d + d
+    block = (3 * d * d + 3 * d) + (d * d + d) + (2 * d * h + h + d) + (6 * d * d + 6 * d)
+    final = (2 * d * d + 2 * d) + (d * per_patch + per_patch)
+    return embed + prompt + sigma + config.n_layers * block + final
 
 
 def sigma_features(sigma: torch.Tensor, dim: int) -> torch.Tensor:
@@ -150,6 +218,10 @@ class DiTBlock(nn.Module):
 
 class FlowDiT(nn.Module):
     """A prompt-conditioned velocity network on pixel latents; see the module docstring."""
+
+    config_class = FlowDiTConfig
+    size_limits = SIZE_LIMITS
+    parameter_count = staticmethod(parameter_count)
 
     def __init__(self, config: FlowDiTConfig) -> None:
         super().__init__()

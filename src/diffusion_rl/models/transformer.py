@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from safetensors.torch import load_model, save_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -27,22 +28,50 @@ from torch.utils.checkpoint import checkpoint
 MODEL_TYPE = "diffusion_rl.transformer"
 
 
+# The largest sizes a TransformerConfig accepts (documented limits, checked before anything is
+# allocated, so an untrusted config.json cannot ask for terabytes): far above any model this
+# project trains, far below what would overflow memory arithmetic.
+SIZE_LIMITS: dict[str, int] = {
+    "vocab_size": 1 << 20,
+    "d_model": 1 << 16,
+    "n_layers": 1024,
+    "n_heads": 1024,
+    "d_ff": 1 << 18,
+    "max_seq_len": 1 << 20,
+    "block_size": 1 << 20,
+}
+_INTEGER_FIELDS = ("vocab_size", "mask_token_id", *SIZE_LIMITS)
+
+
 class TransformerConfig(BaseModel):
-    """Size and behaviour of :class:`DiffusionTransformer`."""
+    """Size and behaviour of :class:`DiffusionTransformer`.
+
+    Sizes are integers (a bool, float or string is refused, not coerced) within
+    :data:`SIZE_LIMITS`; ``norm_eps`` is a positive finite number.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    vocab_size: int = Field(gt=1)
+    vocab_size: int = Field(gt=1, le=SIZE_LIMITS["vocab_size"])
     mask_token_id: int = Field(ge=0)
-    d_model: int = Field(default=128, gt=0)
-    n_layers: int = Field(default=4, gt=0)
-    n_heads: int = Field(default=4, gt=0)
-    d_ff: int | None = None
-    max_seq_len: int = Field(default=64, gt=0)
+    d_model: int = Field(default=128, gt=0, le=SIZE_LIMITS["d_model"])
+    n_layers: int = Field(default=4, gt=0, le=SIZE_LIMITS["n_layers"])
+    n_heads: int = Field(default=4, gt=0, le=SIZE_LIMITS["n_heads"])
+    d_ff: int | None = Field(default=None, gt=0, le=SIZE_LIMITS["d_ff"])
+    max_seq_len: int = Field(default=64, gt=0, le=SIZE_LIMITS["max_seq_len"])
     attention: Literal["bidirectional", "block_causal"] = "block_causal"
-    block_size: int | None = 4
+    block_size: int | None = Field(default=4, le=SIZE_LIMITS["block_size"])
     tie_embeddings: bool = True
-    norm_eps: float = 1e-5
+    norm_eps: float = Field(default=1e-5, gt=0.0, allow_inf_nan=False)
+
+    @field_validator(*_INTEGER_FIELDS, mode="before")
+    @classmethod
+    def _integers_only(cls, value):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, numbers.Integral)
+        ):
+            raise ValueError(f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> TransformerConfig:
@@ -59,6 +88,22 @@ class TransformerConfig(BaseModel):
                 f"block_size: a block_causal model needs block_size >= 1, got {self.block_size}"
             )
         return self
+
+
+def parameter_count(config: TransformerConfig) -> int:
+    """The number of parameters of ``DiffusionTransformer(config)``, from the sizes alone
+    (nothing is allocated); equal to ``model.num_parameters()`` (a tied head adds none).
+
+    With ``V`` vocabulary, ``D`` width, ``F`` MLP width (``d_ff`` or ``4 D``), ``S`` positions
+    and ``L`` layers: embeddings ``V D + S D``; per block two LayerNorms (``4 D``), QKV
+    (``3 D² + 3 D``), output projection (``D² + D``) and MLP (``2 D F + F + D``); the final
+    LayerNorm ``2 D``; an untied head ``V D``.
+    """
+    v, d, s, n = config.vocab_size, config.d_model, config.max_seq_len, config.n_layers
+    f = config.d_ff or 4 * d
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (2 * d * f + f + d)
+    head = 0 if config.tie_embeddings else v * d
+    return v * d + s * d + n * block + 2 * d + head
 
 
 @dataclass
@@ -131,6 +176,9 @@ class DiffusionTransformer(nn.Module):
     (and :class:`~diffusion_rl.models.BlockCachedDenoiser` when block-causal)."""
 
     alignment = "same_position"
+    config_class = TransformerConfig
+    size_limits = SIZE_LIMITS
+    parameter_count = staticmethod(parameter_count)
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()

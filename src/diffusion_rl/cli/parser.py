@@ -1,0 +1,316 @@
+"""``build_parser``: every ``diffusion-rl`` command, its flags, their help text and the
+function each command runs (``args.func``).
+
+The flags' types and bounds are in :mod:`.flags`; a test walks this parser to check that
+every flag has help text and belongs to at most one model kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .flags import (
+    EVAL_FORMATS,
+    IMAGE_FORMATS,
+    MAX_EXAMPLES,
+    MAX_GUIDANCE,
+    MAX_LENGTH,
+    MAX_NUM_STEPS,
+    MAX_SAMPLES,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_STEPS_PER_BLOCK,
+    MAX_TEMPERATURE,
+    MAX_THREADS,
+    QUICKSTART_STEPS,
+    SEED,
+    TEXT_FORMATS,
+    _existing_file,
+    _file_path,
+    _HelpFormatter,
+    _integer,
+    _override,
+    _Parser,
+    _prompt,
+    _real,
+    _text,
+)
+from .recipes import cmd_quickstart, cmd_recipe
+from .serving import cmd_eval, cmd_generate
+
+PROG = "diffusion-rl"
+DESCRIPTION = (
+    "Post-training for diffusion generators. For token models (masked and block diffusion): "
+    "masked-diffusion SFT (sft), GRPO / DAPO / Dr.GRPO with exact trace replay (grpo) and "
+    "on-policy distillation (distill); for image models (flow matching): rectified-flow SFT "
+    "(flow-sft) and Flow-GRPO (flow-grpo). quickstart runs SFT then RL on a built-in task on "
+    "CPU in minutes; generate and eval serve a saved model directory. Every recipe command "
+    "reads a YAML config (--config), takes KEY=VALUE overrides (--set) and prints its "
+    "effective config with --print-config; 'diffusion-rl COMMAND --help' lists a command's "
+    "flags."
+)
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("diffusion-rl")
+    except PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
+
+
+def _add_token_sampler_flags(parser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("token models (sampler; default: the model's recorded one)")
+    group.add_argument(
+        "--temperature",
+        type=_real(0.0, MAX_TEMPERATURE),
+        help=f"sampling temperature in [0, {MAX_TEMPERATURE:g}]; 0 = greedy",
+    )
+    group.add_argument(
+        "--steps-per-block",
+        dest="steps_per_block",
+        type=_integer(1, MAX_STEPS_PER_BLOCK),
+        help="denoising steps per block, 1 .. the block size (fixed schedule only)",
+    )
+    group.add_argument(
+        "--confidence",
+        choices=["probability", "margin", "neg_entropy"],
+        help="how a slot's confidence is scored to choose which slots to commit",
+    )
+    group.add_argument(
+        "--schedule",
+        choices=["fixed", "threshold"],
+        help="fixed: a set number of slots per step; threshold: every slot above --threshold",
+    )
+    group.add_argument(
+        "--threshold",
+        type=_real(0.0, 1.0, low_open=True),
+        help="confidence in (0, 1] above which the threshold schedule commits a slot",
+    )
+    return group
+
+
+def _add_image_sampler_flags(group) -> None:
+    group.add_argument(
+        "--num-steps",
+        dest="num_steps",
+        type=_integer(1, MAX_NUM_STEPS),
+        help=f"ODE steps, 1 .. {MAX_NUM_STEPS} (default: the model's)",
+    )
+    group.add_argument(
+        "--guidance",
+        type=_real(0.0, MAX_GUIDANCE),
+        help=f"classifier-free guidance scale in [0, {MAX_GUIDANCE:g}]; 1 = none "
+        "(default: the model's)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``diffusion-rl`` parser; every flag has help text (a test walks it)."""
+    parser = _Parser(prog=PROG, description=DESCRIPTION, formatter_class=_HelpFormatter)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {_package_version()}",
+        help="print the package version and exit",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of an error (also: DIFFUSION_RL_DEBUG=1)",
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="the command to run"
+    )
+
+    def command(name: str, summary: str, description: str | None = None):
+        return sub.add_parser(
+            name,
+            help=summary,
+            description=description or f"{summary[0].upper()}{summary[1:]}.",
+            formatter_class=_HelpFormatter,
+        )
+
+    p = command(
+        "quickstart",
+        "SFT then RL on a built-in task, on CPU, in minutes (text: SFT -> GRPO; image: "
+        "flow SFT -> Flow-GRPO)",
+        "The out-of-the-box run, two stages on a built-in task. --mode text (default): "
+        "masked-diffusion SFT of the built-in transformer on 2-digit addition, then GRPO with "
+        "exact trace replay; writes OUT/sft and OUT/grpo (model: OUT/grpo/model). --mode "
+        "image: rectified-flow SFT of the built-in DiT on mini-GenEval, then Flow-GRPO; "
+        "writes OUT/flow_sft and OUT/flow_grpo (model: OUT/flow_grpo/model). Both print a "
+        "before/after table and write OUT/results.json.",
+    )
+    p.add_argument(
+        "--mode",
+        choices=["text", "image"],
+        default="text",
+        help="text: SFT -> GRPO on 2-digit addition; image: flow SFT -> Flow-GRPO on mini-GenEval",
+    )
+    p.add_argument(
+        "--output-dir",
+        type=_text("a directory"),
+        default=None,
+        help="where the stages write (default: runs/quickstart; image: runs/quickstart_image)",
+    )
+    p.add_argument(
+        "--steps",
+        type=_integer(1, MAX_STEPS),
+        default=None,
+        help=f"SFT steps of the first stage (default: {QUICKSTART_STEPS['text'][0]}; image: "
+        f"{QUICKSTART_STEPS['image'][0]})",
+    )
+    p.add_argument(
+        "--rl-steps",
+        type=_integer(1, MAX_STEPS),
+        default=None,
+        help=f"GRPO (text) or Flow-GRPO (image) steps of the second stage (default: "
+        f"{QUICKSTART_STEPS['text'][1]}; image: {QUICKSTART_STEPS['image'][1]})",
+    )
+    p.add_argument(
+        "--threads",
+        type=_integer(1, MAX_THREADS),
+        default=None,
+        help="CPU threads (default: 1, the fastest for the built-in models' size)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        type=_override,
+        metavar="KEY=VALUE",
+        help="override a stage's config key: sft.KEY=VALUE (the SFT stage) or "
+        "grpo.KEY=VALUE (the GRPO / Flow-GRPO stage); repeatable",
+    )
+    p.set_defaults(func=cmd_quickstart)
+
+    for name, help_text, example in (
+        ("sft", "masked-diffusion SFT of a token model from a YAML config", "optim.lr=3e-4"),
+        (
+            "grpo",
+            "GRPO / DAPO / Dr.GRPO of a token model from a YAML config",
+            "policy.algorithm=dapo",
+        ),
+        ("distill", "on-policy distillation of a token model from a teacher", "teacher.path=DIR"),
+        ("flow-sft", "rectified-flow SFT of an image model on mini-GenEval", "steps=500"),
+        ("flow-grpo", "Flow-GRPO of an image model on mini-GenEval", "policy.beta=0"),
+    ):
+        p = command(
+            name,
+            help_text,
+            f"{help_text[0].upper()}{help_text[1:]}. The run writes OUTPUT_DIR (metrics, "
+            "checkpoints, model/, results.json) and resumes from its checkpoints when run "
+            "again.",
+        )
+        p.add_argument(
+            "--config",
+            type=_existing_file,
+            help="YAML config file, e.g. configs/*.yaml (omit for all defaults)",
+        )
+        p.add_argument(
+            "--set",
+            action="append",
+            type=_override,
+            metavar="KEY=VALUE",
+            help=f"override a config key (dotted for sections), e.g. {example}; repeatable",
+        )
+        p.add_argument(
+            "--print-config",
+            action="store_true",
+            help="print the effective config (after --config and --set, every default filled "
+            "in) as YAML and exit without running",
+        )
+        p.set_defaults(func=cmd_recipe)
+
+    all_outputs = (*IMAGE_FORMATS, *TEXT_FORMATS)
+    p = command(
+        "generate",
+        "sample completions (token model) or an image grid (image model)",
+        "Sample from a saved model directory with the sampler it records (flags override "
+        "it). A token model prints the completion of every --prompt; an image model writes "
+        "a captioned grid of --samples images per prompt.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a model directory (e.g. runs/quickstart/grpo/model, "
+        "runs/quickstart_image/flow_grpo/model)",
+    )
+    p.add_argument(
+        "--prompt",
+        required=True,
+        action="append",
+        type=_prompt,
+        help="a prompt (non-empty); repeat for a batch",
+    )
+    p.add_argument(
+        "--seed",
+        type=SEED,
+        default=0,
+        help=f"row i uses seed + i, in [0, {MAX_SEED}]",
+    )
+    p.add_argument(
+        "--output",
+        type=_file_path(all_outputs),
+        help="write the result here, in the format its extension names: an image model's grid "
+        f"as {', '.join(IMAGE_FORMATS)} (default samples.png); a token model's completions as "
+        ".json or .txt (default: printed only)",
+    )
+    tokens = _add_token_sampler_flags(p)
+    tokens.add_argument(
+        "--length",
+        type=_integer(1, MAX_LENGTH),
+        help="tokens to generate; prompt + length must fit the model's max_seq_len",
+    )
+    tokens.add_argument(
+        "--trace",
+        type=_file_path((".json",)),
+        help="also write the captured trace (tokens, commit steps, log-probs) as JSON here",
+    )
+    images = p.add_argument_group("image models")
+    images.add_argument(
+        "--samples",
+        type=_integer(1, MAX_SAMPLES),
+        help=f"images per prompt, 1 .. {MAX_SAMPLES} (default: 1)",
+    )
+    _add_image_sampler_flags(images)
+    p.set_defaults(func=cmd_generate)
+
+    p = command(
+        "eval",
+        "verifier accuracy of a saved model on its task",
+        "Evaluate a saved model directory on the task it records, with the sampler it "
+        "records (flags override it): a token model on --examples problems, an image model "
+        "on every prompt of the split, --samples images each.",
+    )
+    p.add_argument("--model", required=True, help="a token or image model directory")
+    p.add_argument(
+        "--split", choices=["eval", "train"], default="eval", help="the task split to evaluate on"
+    )
+    p.add_argument(
+        "--seed",
+        type=SEED,
+        default=0,
+        help=f"example / image i uses seed + i, in [0, {MAX_SEED}]",
+    )
+    p.add_argument(
+        "--output", type=_file_path(EVAL_FORMATS), help="also write the result as JSON here (.json)"
+    )
+    tokens = _add_token_sampler_flags(p)
+    tokens.add_argument(
+        "--examples",
+        type=_integer(1, MAX_EXAMPLES),
+        help=f"problems to evaluate, 1 .. {MAX_EXAMPLES} (default: 256)",
+    )
+    images = p.add_argument_group("image models")
+    images.add_argument(
+        "--samples",
+        type=_integer(1, MAX_SAMPLES),
+        help=f"images per prompt, 1 .. {MAX_SAMPLES} (default: 16)",
+    )
+    _add_image_sampler_flags(images)
+    p.set_defaults(func=cmd_eval)
+    return parser

@@ -1,0 +1,334 @@
+"""``generate`` and ``eval`` on a saved model directory, for token and image (flow) models.
+
+The model directory is loaded once (bounded by ``models.io``) and its kind picks the command
+(:data:`GENERATE`, :data:`EVAL`). The sampler is the one the directory records with the
+sampler flags applied; a flag for the other model kind, a flag value the sampler refuses, or
+an ``--output`` in the wrong format is a :class:`UsageError` naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from .flags import (
+    IMAGE_FORMATS,
+    IMAGE_ONLY,
+    MAX_IMAGES,
+    MAX_SEED,
+    SAMPLER_FLAGS,
+    TEXT_FORMATS,
+    TOKEN_ONLY,
+    UsageError,
+)
+
+
+def _check_kind_flags(args, kind: str) -> None:
+    """Refuse a flag given for the other model kind (``kind`` is ``args.model``'s)."""
+    other = IMAGE_ONLY if kind == "token" else TOKEN_ONLY
+    for dest, flag in other.items():
+        if getattr(args, dest, None) is not None:
+            applies = "image" if kind == "token" else "token"
+            actual = "a token" if kind == "token" else "an image (flow)"
+            raise UsageError(f"{flag}: applies to {applies} models; {args.model} is {actual} model")
+
+
+def _check_output(args, extensions, what: str) -> None:
+    if args.output is not None and Path(args.output).suffix.lower() not in extensions:
+        raise UsageError(
+            f"--output: {args.output}: {what} {', '.join(extensions)}, got "
+            f"{Path(args.output).suffix!r}"
+        )
+
+
+def _sampler(cls, recorded: dict, flags: dict, args, fixed: dict | None = None):
+    """``cls`` from the model's ``recorded`` sampler settings under the flags' values
+    (``flags``: field → value) and ``fixed`` settings; a validation error names the flag that
+    set the field, or else the model's info file (and the flags given)."""
+    from pydantic import ValidationError
+
+    from ..models.io import INFO_FILE, describe_field_error
+
+    try:
+        return cls(**{**recorded, **flags, **(fixed or {})})
+    except ValidationError as error:
+        message = describe_field_error(error.errors()[0])
+        field = re.match(r"(?:missing key )?([a-z_]+)", message)
+        name = field.group(1) if field else ""
+        if name in flags:
+            raise UsageError(message.replace(name, SAMPLER_FLAGS[name], 1)) from None
+        given = f" (with {', '.join(SAMPLER_FLAGS[k] for k in flags)})" if flags else ""
+        raise UsageError(
+            f"--model: {Path(args.model) / INFO_FILE}: sampler.{message}{given}"
+        ) from None
+
+
+def _token_sampler(args, info: dict):
+    """The model directory's recorded token sampler, with the sampler flags applied; a
+    ``--threshold`` / ``--steps-per-block`` the resulting schedule ignores is refused."""
+    from ..sampling import TokenSamplerConfig
+
+    keys = ("temperature", "steps_per_block", "confidence", "schedule", "threshold")
+    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if getattr(args, "length", None) is not None:
+        overrides["generation_length"] = args.length
+    sampler = _sampler(TokenSamplerConfig, info.get("sampler", {}), overrides, args)
+    unused = {"fixed": "threshold", "threshold": "steps_per_block"}[sampler.schedule]
+    if unused in overrides:
+        other = "threshold" if sampler.schedule == "fixed" else "fixed"
+        raise UsageError(
+            f"{SAMPLER_FLAGS[unused]}: used only by the {other} schedule; the sampler here "
+            f"uses schedule {sampler.schedule!r} (add --schedule {other})"
+        )
+    return sampler
+
+
+def _serving_sampler(args, info: dict):
+    """The model directory's recorded sampler as ODE, with ``--num-steps`` / ``--guidance``."""
+    from ..sampling.flow import FlowSamplerConfig
+
+    flags = {}
+    for key, value in (("num_steps", args.num_steps), ("guidance_scale", args.guidance)):
+        if value is not None:
+            flags[key] = value
+    serving = {"mode": "ode", "share_group_noise": False}
+    return _sampler(FlowSamplerConfig, info.get("sampler", {}), flags, args, serving)
+
+
+def _check_seeds(args, rows: int) -> None:
+    if args.seed + rows - 1 > MAX_SEED:
+        raise UsageError(
+            f"--seed: rows use seeds --seed ... --seed + {rows - 1}, which must stay <= "
+            f"{MAX_SEED} (got --seed {args.seed})"
+        )
+
+
+def save_images(images, path: str, captions: list[str], nrow: int) -> Path:
+    """A captioned grid of ``images`` in the format ``path``'s extension names
+    (:data:`IMAGE_FORMATS`)."""
+    import tempfile
+
+    from PIL import Image
+
+    from ..plots import save_image_grid
+
+    target = Path(path)
+    fmt = IMAGE_FORMATS[target.suffix.lower()]
+    if fmt == "PNG":
+        return save_image_grid(images, target, nrow=nrow, captions=captions, upscale=6)
+    with tempfile.TemporaryDirectory() as scratch:  # the grid is drawn as PNG, then converted
+        grid = save_image_grid(
+            images, Path(scratch) / "grid.png", nrow=nrow, captions=captions, upscale=6
+        )
+        with Image.open(grid) as image:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            image.convert("RGB").save(target, format=fmt, quality=95)
+    return target
+
+
+def cmd_generate_images(args, loaded) -> int:
+    """``generate`` for a loaded flow (image) model: a captioned grid of the samples."""
+    from ..sampling.flow import sample_flow
+    from ..tasks.geneval import parse_prompt
+
+    _check_kind_flags(args, "flow")
+    _check_output(args, tuple(IMAGE_FORMATS), "an image model's grid is written as")
+    output = args.output or "samples.png"
+    samples = args.samples or 1
+    prompts = [p for _ in range(samples) for p in args.prompt]  # sample-major
+    if len(prompts) > MAX_IMAGES:
+        raise UsageError(
+            f"--samples: {samples} x {len(args.prompt)} prompts = {len(prompts)} images, more "
+            f"than the limit {MAX_IMAGES}"
+        )
+    _check_seeds(args, len(prompts))
+    try:
+        loaded.model.encode_prompts(args.prompt)
+    except ValueError as error:
+        raise UsageError(f"--prompt: {error}".replace("encode_prompts: ", "")) from None
+    sampler = _serving_sampler(args, loaded.info)
+    seeds = [args.seed + i for i in range(len(prompts))]
+    images = sample_flow(loaded.model, prompts, sampler, seeds=seeds).images.float()
+    captions = list(prompts)
+    task_info = loaded.info.get("task") or {}
+    if task_info.get("name") == "geneval":  # mark what the verifier finds right
+        from ..tasks.geneval import GenEvalTask
+
+        task = GenEvalTask.from_info(task_info)
+        for i, prompt in enumerate(prompts):
+            try:
+                verdict = task.verify(images[i : i + 1], [parse_prompt(prompt)])[0]["overall"]
+            except ValueError:
+                continue
+            captions[i] = f"{prompt} {'ok' if verdict else 'x'}"
+    path = save_images(images, output, captions, nrow=min(8, len(prompts)))
+    for seed, caption in zip(seeds, captions):
+        print(f"seed {seed}: {caption}")
+    print(f"grid written to {path}")
+    return 0
+
+
+def cmd_generate_tokens(args, loaded) -> int:
+    """``generate`` for a loaded token model: the completion of every ``--prompt``."""
+    import torch
+
+    from ..sampling import sample_tokens
+
+    _check_kind_flags(args, "token")
+    _check_output(args, TEXT_FORMATS, "a token model's completions are written as")
+    _check_seeds(args, len(args.prompt))
+    sampler = _token_sampler(args, loaded.info)
+    tok = loaded.tokenizer
+    try:
+        encoded = [tok.encode(p) for p in args.prompt]
+    except ValueError as error:
+        raise UsageError(f"--prompt: {error}".replace("CharTokenizer.encode: ", "")) from None
+    width, length = max(len(e) for e in encoded), sampler.generation_length
+    limit = loaded.model.config.max_seq_len
+    if width >= limit:
+        raise UsageError(
+            f"--prompt: {width} tokens leave no room to generate within the model's "
+            f"max_seq_len={limit}"
+        )
+    if width + length > limit:
+        flag, what = ("--length", "--length") if args.length else ("--prompt", "the model's")
+        raise UsageError(
+            f"{flag}: a prompt of {width} tokens plus {what} {length} generated tokens "
+            f"exceeds the model's max_seq_len={limit}; use --length <= {limit - width} or a "
+            "shorter prompt"
+        )
+    ids = torch.tensor([[tok.pad_id] * (width - len(e)) + e for e in encoded])
+    mask = torch.tensor([[False] * (width - len(e)) + [True] * len(e) for e in encoded])
+    seeds = [args.seed + i for i in range(len(encoded))]
+    sample = sample_tokens(
+        loaded.model,
+        ids,
+        mask,
+        sampler,
+        seeds=seeds,
+        stop_token_id=tok.eos_id,
+        capture=args.trace is not None,
+    )
+    completions = tok.batch_decode(sample.tokens)
+    for prompt, text in zip(args.prompt, completions):
+        print(f"{prompt}{text}")
+    if args.output is not None:
+        path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix.lower() == ".json":
+            rows = [
+                {"prompt": p, "completion": c, "seed": s}
+                for p, c, s in zip(args.prompt, completions, seeds)
+            ]
+            record = {"samples": rows, "sampler": sampler.model_dump(mode="json")}
+            path.write_text(json.dumps(record, indent=2) + "\n")
+        else:
+            path.write_text("".join(f"{p}{c}\n" for p, c in zip(args.prompt, completions)))
+        print(f"completions written to {path}", file=sys.stderr)
+    if args.trace is not None:
+        trace = sample.trace
+        record = {
+            "prompts": args.prompt,
+            "tokens": trace.tokens.tolist(),
+            "commit_steps": trace.commit_steps.tolist(),
+            "behaviour_logprobs": trace.behaviour_logprobs.tolist(),
+            "sampler": trace.sampler,
+            "kernel_ids": trace.kernel_ids,
+            "weights_version": trace.weights_version,
+        }
+        Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.trace).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"trace written to {args.trace}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval_images(args, loaded) -> int:
+    """``eval`` for a loaded flow (image) model: verifier accuracy per attribute on its task's
+    ``--split`` prompts, ``--samples`` images each (seeds ``--seed``, ``--seed`` + 1, ...)."""
+    from ..evaluation import evaluate_images
+    from ..tasks.geneval import GenEvalTask
+
+    _check_kind_flags(args, "flow")
+    task_info = loaded.info.get("task")
+    if not task_info or task_info.get("name") != GenEvalTask.name:
+        raise UsageError(f"--model: {args.model} records no mini-GenEval task to evaluate on")
+    task = GenEvalTask.from_info(task_info)
+    samples = args.samples or 16
+    _check_seeds(args, samples * len(task.prompts(args.split)))
+    sampler = _serving_sampler(args, loaded.info)
+    result = evaluate_images(
+        loaded.model,
+        task,
+        sampler,
+        samples_per_prompt=samples,
+        split=args.split,
+        seed=args.seed,
+    )
+    print(
+        f"accuracy {result.accuracy:.3f} on {result.num_images} {args.split} images "
+        f"({sampler.num_steps} ODE steps, guidance {sampler.guidance_scale:g})"
+    )
+    print("  " + "  ".join(f"{k} {v:.3f}" for k, v in result.attributes.items()))
+    if args.output:
+        record = {**result.to_dict(), "sampler": sampler.model_dump(mode="json")}
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+def cmd_eval_tokens(args, loaded) -> int:
+    """``eval`` for a loaded token model: accuracy on its task's ``--split`` problems."""
+    from ..evaluation import evaluate_task, format_samples
+    from ..tasks import get_task
+
+    _check_kind_flags(args, "token")
+    examples = args.examples or 256
+    _check_seeds(args, examples)
+    sampler = _token_sampler(args, loaded.info)
+    task_info = dict(loaded.info.get("task", {"name": "arithmetic"}))
+    task = get_task(task_info.pop("name"), **task_info)
+    result = evaluate_task(
+        loaded.model,
+        task,
+        sampler,
+        num_examples=examples,
+        split=args.split,
+        seed=args.seed,
+    )
+    print(f"accuracy {result.accuracy:.3f} on {result.num_examples} {args.split} problems")
+    print(format_samples(result.samples))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    return 0
+
+
+# ``generate`` / ``eval`` per model kind (``LoadedModel.kind``): each takes (args, loaded).
+GENERATE = {"token": cmd_generate_tokens, "flow": cmd_generate_images}
+EVAL = {"token": cmd_eval_tokens, "flow": cmd_eval_images}
+
+
+def _dispatch(table: dict, args) -> int:
+    """Load ``args.model`` once (bounded: models.io) and run ``table``'s command for its kind."""
+    from ..models.io import load_model
+
+    try:
+        loaded = load_model(args.model)
+    except (FileNotFoundError, ValueError) as error:
+        raise UsageError(f"--model: {error}") from error
+    if loaded.kind not in table:
+        raise UsageError(
+            f"--model: {args.model} is a {loaded.kind} model; {args.command} handles "
+            f"{' and '.join(sorted(table))} models"
+        )
+    return table[loaded.kind](args, loaded)
+
+
+def cmd_generate(args) -> int:
+    return _dispatch(GENERATE, args)
+
+
+def cmd_eval(args) -> int:
+    return _dispatch(EVAL, args)

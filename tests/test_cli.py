@@ -1,0 +1,540 @@
+"""The ``diffusion-rl`` command line: every bad flag value is one line naming the flag, help
+covers every flag, ``--version``, ``--print-config``, ``--output`` formats, exit statuses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from PIL import Image
+
+from diffusion_rl import cli, config, quickstart
+from diffusion_rl.models import CharTokenizer, FlowDiT, FlowDiTConfig, save_model
+from diffusion_rl.recipes.run import NonFiniteParametersError, RunInterrupted
+from diffusion_rl.tasks.geneval import GenEvalConfig, GenEvalTask
+from diffusion_rl.train.checkpoint import CheckpointCorruptError
+
+CHARS = "0123456789+-="
+PROMPT = "a red circle on the left"
+MAX_SEED = 2**63 - 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """A tiny token model (max_seq_len 48, blocks of 4, fixed schedule) and a tiny image model
+    (16 px, 2 ODE steps recorded), saved as model directories."""
+    root = tmp_path_factory.mktemp("models")
+    info = {"task": {"name": "arithmetic", "num_digits": 1}, "sampler": {"generation_length": 4}}
+    token = save_model(root / "tok", tiny_model(), info, CharTokenizer(CHARS))
+    torch.manual_seed(0)
+    task = GenEvalTask(GenEvalConfig(image_size=16, seed=3)).info()
+    flow_config = FlowDiTConfig(
+        image_size=16, patch_size=4, d_model=32, n_layers=1, n_heads=4, task=task
+    )
+    flow = save_model(root / "flow", FlowDiT(flow_config), {"sampler": {"num_steps": 2}})
+    broken = root / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    huge = root / "huge"
+    huge.mkdir()
+    (huge / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "diffusion_rl.transformer",
+                "vocab_size": 16,
+                "mask_token_id": 1,
+                "d_model": 2**31,
+            }
+        )  # fmt: skip
+    )
+    return {"T": str(token), "F": str(flow), "broken": str(broken), "huge": str(huge)}
+
+
+def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
+    """Run ``main(argv)``; assert the exit status and a single stderr line, no traceback."""
+    status = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert status == code, (status, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith(f"diffusion-rl {argv[0]}: error: ") or lines[0].startswith(
+        "diffusion-rl: error: "
+    )
+    return lines[0]
+
+
+T, F = "T", "F"  # resolved to the fixture's model directories
+LONG_PROMPT = "1" * 60  # more than the token model's 48 positions
+
+BAD_FLAGS = [
+    # generate, token model: sampler flags (parse-time ranges, then the sampler's own checks)
+    (["generate", T, "--steps-per-block", "0"], "--steps-per-block: must be >= 1 (got 0)"),
+    (
+        ["generate", T, "--steps-per-block", "8"],
+        "--steps-per-block: the fixed schedule commits >= 1 slot per step, so it must be <= "
+        "block_size=4, got 8",
+    ),
+    (["generate", T, "--steps-per-block", "x"], "--steps-per-block: expected an integer, got 'x'"),
+    (["generate", T, "--threshold", "2"], "--threshold: must be <= 1 (got 2)"),
+    (["generate", T, "--threshold", "0"], "--threshold: must be > 0 (got 0)"),
+    (["generate", T, "--threshold", "nan"], "--threshold: must be a finite number (got nan)"),
+    (["generate", T, "--temperature", "-1"], "--temperature: must be >= 0 (got -1)"),
+    (["generate", T, "--temperature", "inf"], "--temperature: must be a finite number (got inf)"),
+    (["generate", T, "--temperature", "1e9"], "--temperature: must be <= 100 (got 1e9)"),
+    (["generate", T, "--temperature", "hot"], "--temperature: expected a number, got 'hot'"),
+    (["generate", T, "--confidence", "best"], "--confidence: invalid choice: 'best'"),
+    (["generate", T, "--schedule", "random"], "--schedule: invalid choice: 'random'"),
+    (
+        ["generate", T, "--threshold", "0.5"],
+        "--threshold: used only by the threshold schedule; the sampler here uses schedule "
+        "'fixed' (add --schedule threshold)",
+    ),
+    (
+        ["generate", T, "--schedule", "threshold", "--steps-per-block", "2"],
+        "--steps-per-block: used only by the fixed schedule",
+    ),
+    # generate, token model: length, prompt, seed
+    (["generate", T, "--length", "-3"], "--length: must be >= 1 (got -3)"),
+    (["generate", T, "--length", "0"], "--length: must be >= 1 (got 0)"),
+    (["generate", T, "--length", str(10**9)], "--length: must be <= 1048576 (got 1000000000)"),
+    (["generate", T, "--length", "4.5"], "--length: expected an integer, got '4.5'"),
+    (
+        ["generate", T, "--length", "100"],
+        "--length: a prompt of 4 tokens plus --length 100 generated tokens exceeds the model's "
+        "max_seq_len=48; use --length <= 44",
+    ),
+    (["generate", T, "--prompt", ""], "--prompt: must not be empty"),
+    (["generate", T, "--prompt", "   "], "--prompt: must not be empty"),
+    (["generate", T, "--prompt", "abc"], "--prompt: unknown character 'a' at position 0"),
+    (
+        ["generate", T, "--prompt", LONG_PROMPT],
+        "--prompt: 60 tokens leave no room to generate within the model's max_seq_len=48",
+    ),
+    (["generate", T, "--prompt", "1" * 10_001], "--prompt: 10001 characters, more than the limit"),
+    (["generate", T, "--seed", "-1"], "--seed: must be >= 0 (got -1)"),
+    (["generate", T, "--seed", str(2**63)], f"--seed: must be <= {MAX_SEED} (got {2**63})"),
+    (["generate", T, "--seed", "abc"], "--seed: expected an integer, got 'abc'"),
+    (
+        ["generate", T, "--seed", str(MAX_SEED), "--prompt", "2+2="],
+        f"--seed: rows use seeds --seed ... --seed + 1, which must stay <= {MAX_SEED}",
+    ),
+    # generate, token model: flags of the other kind, outputs
+    (["generate", T, "--guidance", "2"], "--guidance: applies to image models; {T} is a token"),
+    (["generate", T, "--num-steps", "4"], "--num-steps: applies to image models"),
+    (["generate", T, "--samples", "2"], "--samples: applies to image models"),
+    (
+        ["generate", T, "--output", "x.png"],
+        "--output: x.png: a token model's completions are written as .json, .txt, got '.png'",
+    ),
+    (
+        ["generate", T, "--output", "x.gif"],
+        "--output: x.gif has extension '.gif'; supported: .png, .jpg, .jpeg, .webp, .json, .txt",
+    ),
+    (["generate", T, "--output", "out"], "--output: out has no extension; supported: .png"),
+    (["generate", T, "--trace", "t.txt"], "--trace: t.txt has extension '.txt'; supported: .json"),
+    # generate, image model
+    (["generate", F, "--length", "3"], "--length: applies to token models; {F} is an image"),
+    (["generate", F, "--steps-per-block", "2"], "--steps-per-block: applies to token models"),
+    (["generate", F, "--temperature", "0.5"], "--temperature: applies to token models"),
+    (["generate", F, "--trace", "t.json"], "--trace: applies to token models"),
+    (["generate", F, "--confidence", "margin"], "--confidence: applies to token models"),
+    (["generate", F, "--schedule", "threshold"], "--schedule: applies to token models"),
+    (["generate", F, "--guidance", "nan"], "--guidance: must be a finite number (got nan)"),
+    (["generate", F, "--guidance", "-1"], "--guidance: must be >= 0 (got -1)"),
+    (["generate", F, "--guidance", "1e6"], "--guidance: must be <= 100 (got 1e6)"),
+    (["generate", F, "--num-steps", "0"], "--num-steps: must be >= 1 (got 0)"),
+    (["generate", F, "--num-steps", str(10**6)], "--num-steps: must be <= 10000 (got 1000000)"),
+    (["generate", F, "--samples", "0"], "--samples: must be >= 1 (got 0)"),
+    (["generate", F, "--samples", "5000"], "--samples: must be <= 4096 (got 5000)"),
+    (
+        ["generate", F, "--samples", "2000", "--prompt", PROMPT, "--prompt", PROMPT],
+        "--samples: 2000 x 3 prompts = 6000 images, more than the limit 4096",
+    ),
+    (
+        ["generate", F, "--prompt", "a purple circle"],
+        "--prompt: prompt 1 'a purple circle' has words ['purple'] outside the model's vocabulary",
+    ),
+    (
+        ["generate", F, "--prompt", "a red circle on the left on the top"],
+        "--prompt: prompt 1 'a red circle on the left on the top' has 9 words, more than "
+        "max_prompt_tokens=8",
+    ),
+    (
+        ["generate", F, "--output", "g.json"],
+        "--output: g.json: an image model's grid is written as .png, .jpg, .jpeg, .webp",
+    ),
+    (["generate", F, "--output", "g.bmp"], "--output: g.bmp has extension '.bmp'"),
+    # generate: the model directory
+    (["generate", "--model", "/nonexistent/m", "--prompt", "1+2="], "--model: model directory"),
+    (
+        ["generate", "broken", "--prompt", "1+2="],
+        "--model: {broken}/config.json:1:2: not valid JSON",
+    ),
+    (
+        ["generate", "huge", "--prompt", "1+2="],
+        "--model: {huge}/config.json: d_model=2147483648 exceeds the limit 65536",
+    ),
+    (["generate", "--prompt", "1+2="], "the following arguments are required: --model"),
+    (["generate", T, "--promt", "x"], "unrecognized arguments: --promt x"),
+    # eval
+    (["eval", T, "--examples", "-5"], "--examples: must be >= 1 (got -5)"),
+    (["eval", T, "--examples", "0"], "--examples: must be >= 1 (got 0)"),
+    (["eval", T, "--examples", str(10**7)], "--examples: must be <= 1000000 (got 10000000)"),
+    (["eval", T, "--examples", "many"], "--examples: expected an integer, got 'many'"),
+    (["eval", T, "--samples", "0"], "--samples: must be >= 1 (got 0)"),
+    (["eval", T, "--samples", "4"], "--samples: applies to image models"),
+    (["eval", T, "--guidance", "3"], "--guidance: applies to image models"),
+    (["eval", T, "--split", "test"], "--split: invalid choice: 'test'"),
+    (["eval", T, "--seed", "-1"], "--seed: must be >= 0 (got -1)"),
+    (["eval", T, "--seed", str(MAX_SEED - 10)], "--seed: rows use seeds --seed ... --seed + 255"),
+    (["eval", T, "--output", "e.txt"], "--output: e.txt has extension '.txt'; supported: .json"),
+    (["eval", T, "--threshold", "1.5"], "--threshold: must be <= 1 (got 1.5)"),
+    (["eval", F, "--examples", "3"], "--examples: applies to token models"),
+    (["eval", F, "--samples", "0"], "--samples: must be >= 1 (got 0)"),
+    (["eval", F, "--threshold", "0.5"], "--threshold: applies to token models"),
+    (["eval", F, "--num-steps", "-2"], "--num-steps: must be >= 1 (got -2)"),
+    # quickstart
+    (["quickstart", "--steps", "0"], "--steps: must be >= 1 (got 0)"),
+    (["quickstart", "--rl-steps", "-1"], "--rl-steps: must be >= 1 (got -1)"),
+    (["quickstart", "--threads", "0"], "--threads: must be >= 1 (got 0)"),
+    (["quickstart", "--threads", "5000"], "--threads: must be <= 1024 (got 5000)"),
+    (["quickstart", "--mode", "video"], "--mode: invalid choice: 'video'"),
+    (["quickstart", "--output-dir", ""], "--output-dir: must not be empty"),
+    (["quickstart", "--set", "steps"], "--set: expected KEY=VALUE (e.g. steps=100), got 'steps'"),
+    # recipe commands
+    (["sft", "--config", "missing.yaml"], "--config: config file missing.yaml does not exist"),
+    (["sft", "--set", "=3"], "--set: expected KEY=VALUE"),
+    (
+        ["flow-grpo"],
+        "model.path: model directory runs/flow_sft/model does not exist; `diffusion-rl "
+        "flow-sft --config configs/flow_sft_geneval.yaml` writes runs/flow_sft/model",
+    ),
+    (
+        ["grpo", "--set", "model.path=/nonexistent/m"],
+        "model.path: model directory /nonexistent/m does not exist; `diffusion-rl quickstart`",
+    ),
+    (["distill", "--set", "student.path={T}", "--set", "teacher.path=/no/t"], "teacher.path:"),
+    (["frobnicate"], "COMMAND: invalid choice: 'frobnicate'"),
+]
+
+
+def _resolve(argv: list[str], models: dict[str, str]) -> list[str]:
+    """``T`` / ``F`` / ``broken`` / ``huge`` after the command → ``--model DIR``; a default
+    prompt for ``generate``; ``{T}`` placeholders filled."""
+    out = [argv[0]]
+    rest = argv[1:]
+    if rest and rest[0] in models:
+        out += ["--model", models[rest[0]]]
+        rest = rest[1:]
+        if argv[0] == "generate":
+            out += ["--prompt", "1+2=" if argv[1] != F else PROMPT]
+    return out + [arg.format(**models) for arg in rest]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_FLAGS)
+def test_a_bad_flag_is_one_line_naming_it(capsys, models, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)  # the recipes' default model paths do not exist here
+    line = _one_line_error(capsys, _resolve(argv, models))
+    assert message.format(**models) in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # refused before any output
+
+
+def test_the_bad_flag_cases_are_many_and_distinct():
+    assert len(BAD_FLAGS) >= 40
+    assert len({tuple(argv) for argv, _ in BAD_FLAGS}) == len(BAD_FLAGS)
+
+
+def test_kind_flag_tables_cover_every_serving_flag():
+    """Every flag of generate / eval is either shared or listed as one kind's."""
+    shared = {"help", "model", "prompt", "seed", "output", "split"}
+    for name in ("generate", "eval"):
+        sub = _subparsers(cli.build_parser())[name]
+        dests = {a.dest for a in sub._actions}
+        assert dests - shared <= set(cli.TOKEN_ONLY) | set(cli.IMAGE_ONLY)
+        assert not set(cli.TOKEN_ONLY) & set(cli.IMAGE_ONLY)
+
+
+# ----------------------------------------------------------------------------- help
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def undocumented(parser: argparse.ArgumentParser, name: str = "diffusion-rl") -> list[str]:
+    """Every action of ``parser`` and its subcommands (recursively) without help text."""
+    missing = []
+    for action in parser._actions:
+        if not (action.help or "").strip() or action.help == argparse.SUPPRESS:
+            missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+        if isinstance(action, argparse._SubParsersAction):
+            documented = {a.dest for a in action._choices_actions if (a.help or "").strip()}
+            missing += [f"{name} {c}" for c in action.choices if c not in documented]
+    for command, sub in _subparsers(parser).items():
+        missing += undocumented(sub, f"{name} {command}")
+    return missing
+
+
+def test_every_flag_of_every_command_has_help():
+    parser = cli.build_parser()
+    assert set(_subparsers(parser)) == {
+        "quickstart", "sft", "grpo", "distill", "flow-sft", "flow-grpo", "generate", "eval",
+    }  # fmt: skip
+    assert undocumented(parser) == []
+    # the walk finds what is missing: a flag, a subcommand without help
+    bad = argparse.ArgumentParser(prog="p")
+    bad.add_argument("--documented", help="yes")
+    bad.add_argument("--bare")
+    sub = bad.add_subparsers(dest="command", help="commands")
+    sub.add_parser("silent").add_argument("--also-bare", help="  ")
+    assert undocumented(bad, "p") == ["p --bare", "p silent", "p silent --also-bare"]
+
+
+def test_help_shows_every_default(capsys):
+    parser, shown = cli.build_parser(), []
+    for name, sub in _subparsers(parser).items():
+        text = " ".join(sub.format_help().split())
+        for action in sub._actions:
+            unset = any(action.default is none for none in (None, False, argparse.SUPPRESS))
+            if action.option_strings and not unset:  # 0 is a default to show
+                assert f"(default: {action.default})" in text, (name, action.dest)
+                shown.append(action.dest)
+    assert sorted(set(shown)) == ["mode", "seed", "split"]
+    assert cli.main(["generate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--seed SEED row i uses seed + i, in [0, 9223372036854775807] (default: 0)" in text
+    assert "--steps-per-block STEPS_PER_BLOCK denoising steps per block" in text
+
+
+def test_the_description_is_one_plain_paragraph():
+    text = cli.build_parser().description
+    assert text == cli.DESCRIPTION and "\n" not in text
+    assert "``" not in text and "::" not in text and not text.startswith("diffusion-rl ")
+    assert len(text.split(". ")) >= 3  # sentences, not a usage listing
+
+
+def test_quickstart_help_describes_both_modes(capsys):
+    assert cli.main(["quickstart", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "text: SFT -> GRPO" in text and "image: flow SFT -> Flow-GRPO" in text
+    assert "OUT/flow_grpo/model" in text and "OUT/grpo/model" in text
+    assert cli.QUICKSTART_STEPS == {
+        "text": (quickstart.QUICKSTART_SFT_STEPS, quickstart.QUICKSTART_GRPO_STEPS),
+        "image": (quickstart.QUICKSTART_IMAGE_SFT_STEPS, quickstart.QUICKSTART_IMAGE_GRPO_STEPS),
+    }
+    assert "(default: 3000; image: 3000)" in text and "(default: 100; image: 100)" in text
+
+
+# ----------------------------------------------------------------------------- version
+def test_version_is_the_package_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"diffusion-rl {version('diffusion-rl')}\n"
+
+
+def test_the_installed_entry_point_prints_the_version():
+    exe = shutil.which("diffusion-rl", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("the diffusion-rl entry point is not installed next to this interpreter")
+    done = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == f"diffusion-rl {version('diffusion-rl')}\n"
+
+
+# ----------------------------------------------------------------------------- print-config
+CONFIG_CLASSES = {name: getattr(config, entry[0]) for name, entry in cli.RECIPES.items()}
+
+
+@pytest.mark.parametrize(
+    ("command", "config_file"),
+    [
+        ("sft", None),
+        ("sft", "configs/sft_arithmetic.yaml"),
+        ("grpo", "configs/grpo_arithmetic.yaml"),
+        ("distill", "configs/distill_arithmetic.yaml"),
+        ("flow-sft", "configs/flow_sft_geneval.yaml"),
+        ("flow-grpo", None),
+    ],
+)
+def test_print_config_prints_the_effective_config(capsys, tmp_path, command, config_file):
+    root = Path(__file__).resolve().parents[1]
+    path = None if config_file is None else str(root / config_file)
+    overrides = ["steps=7", "seed=3", f"output_dir={tmp_path / 'run'}"]
+    argv = [command, *(["--config", path] if path else [])]
+    argv += [arg for item in overrides for arg in ("--set", item)] + ["--print-config"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(out)
+    cls = CONFIG_CLASSES[command]
+    expected = config.load_config(path, cls, overrides)
+    again = config.load_config(printed, cls)
+    assert again == expected and again.steps == 7 and again.seed == 3
+    assert not (tmp_path / "run").exists()  # printed, not run
+
+
+# ----------------------------------------------------------------------------- outputs
+def test_token_generate_writes_json_and_txt(capsys, models, tmp_path):
+    argv = ["generate", "--model", models[T], "--prompt", "1+2=", "--prompt", "7+8="]
+    assert cli.main([*argv, "--output", str(tmp_path / "out" / "c.json")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    record = json.loads((tmp_path / "out" / "c.json").read_text())
+    rows = record["samples"]
+    assert [r["prompt"] + r["completion"] for r in rows] == printed
+    assert [r["seed"] for r in rows] == [0, 1]
+    assert record["sampler"]["generation_length"] == 4
+    assert cli.main([*argv, "--output", str(tmp_path / "c.txt")]) == 0
+    assert (
+        (tmp_path / "c.txt").read_text().splitlines()
+        == printed
+        == capsys.readouterr().out.splitlines()
+    )
+
+
+@pytest.mark.parametrize(("name", "fmt"), [("g.png", "PNG"), ("g.JPG", "JPEG"), ("g.webp", "WEBP")])
+def test_image_generate_writes_the_format_its_extension_names(capsys, models, tmp_path, name, fmt):
+    target = tmp_path / name
+    argv = ["generate", "--model", models[F], "--prompt", PROMPT, "--samples", "2"]
+    assert cli.main([*argv, "--output", str(target)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"grid written to {target}"
+    with Image.open(target) as image:
+        assert image.format == fmt and image.mode == "RGB"
+        size = image.size
+    assert cli.main([*argv, "--output", str(tmp_path / "ref.png")]) == 0
+    with Image.open(tmp_path / "ref.png") as reference:
+        assert reference.size == size  # the same grid, another encoding
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({name, "ref.png"})
+
+
+def test_eval_writes_json(capsys, models, tmp_path):
+    target = tmp_path / "e.json"
+    assert cli.main(["eval", "--model", models[T], "--examples", "3", "--output", str(target)]) == 0
+    record = json.loads(target.read_text())
+    assert record["num_examples"] == 3
+    assert f"accuracy {record['accuracy']:.3f} on 3 eval problems" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- exit statuses
+def test_a_failed_run_leaves_no_empty_output_directory(capsys, models, tmp_path):
+    out = tmp_path / "a" / "b"
+    argv = ["grpo", "--set", f"model.path={models[F]}", "--set", f"output_dir={out}"]
+    line = _one_line_error(capsys, argv)
+    assert f"model.path: {models[F]} holds a flow model; this recipe needs a token model" in line
+    assert list(tmp_path.iterdir()) == []  # a/b was created by the run loop, then removed
+
+
+def _failing_run(monkeypatch, error: BaseException) -> None:
+    from diffusion_rl.recipes import run as run_module
+
+    def run(config, recipe):
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(config.output_dir) / "metrics.jsonl").write_text("{}\n")
+        raise error
+
+    monkeypatch.setattr(run_module, "run", run)
+
+
+@pytest.mark.parametrize(
+    ("make_error", "status", "message"),
+    [
+        (
+            lambda: CheckpointCorruptError("ck/step_5", "optimizer.pt", "content hash mismatch"),
+            1,
+            "checkpoint ck/step_5: optimizer.pt: content hash mismatch",
+        ),
+        (lambda: NonFiniteParametersError("blocks.0.w: NaN"), 1, "blocks.0.w: NaN"),
+        (lambda: OSError(28, "No space left on device"), 1, "[Errno 28] No space left on device"),
+        (lambda: config.ConfigError("optim.lr: must be finite"), 2, "optim.lr: must be finite"),
+        (lambda: ValueError("task.name: unknown task"), 2, "task.name: unknown task"),
+    ],
+)
+def test_run_errors_are_one_line_with_their_status(
+    capsys, monkeypatch, tmp_path, make_error, status, message
+):
+    _failing_run(monkeypatch, make_error())
+    argv = ["sft", "--set", f"output_dir={tmp_path / 'run'}"]
+    assert _one_line_error(capsys, argv, status) == f"diffusion-rl sft: error: {message}"
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()  # a non-empty directory is kept
+
+
+def test_interrupt_bug_and_debug(capsys, monkeypatch, tmp_path):
+    argv = ["sft", "--set", f"output_dir={tmp_path / 'run'}"]
+    _failing_run(monkeypatch, KeyboardInterrupt())
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err == "diffusion-rl sft: interrupted\n"
+    _failing_run(monkeypatch, RunInterrupted("checkpoint step 7 written; rerun to resume"))
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err == (
+        "diffusion-rl sft: interrupted: checkpoint step 7 written; rerun to resume\n"
+    )
+    _failing_run(monkeypatch, RuntimeError("a bug"))  # not a user error: the traceback shows
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(argv)
+    _failing_run(monkeypatch, ValueError("bad value"))
+    with pytest.raises(ValueError, match="bad value"):
+        cli.main(["--debug", *argv])
+    monkeypatch.setenv("DIFFUSION_RL_DEBUG", "1")
+    with pytest.raises(ValueError, match="bad value"):
+        cli.main(argv)
+
+
+# ----------------------------------------------------------------------------- the README
+def test_readme_commands_parse_and_read_models_that_earlier_commands_write(monkeypatch):
+    """Every ``diffusion-rl`` line of the README's code blocks parses, and every model it
+    reads (``--model``, a recipe's ``model`` / ``student`` / ``teacher`` path) is written by a
+    command on an earlier line: the quickstart's stage directories, a recipe's
+    ``output_dir/model``."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    blocks = re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), flags=re.S)
+    lines = [line for block in blocks for line in block.splitlines()]
+    commands = [line.split("  #")[0] for line in lines if line.startswith("diffusion-rl ")]
+    written: set[str] = set()
+    reads = 0
+    for line in commands:
+        argv = shlex.split(line.replace("[", " ").replace("]", " "))[1:]
+        if "|" in argv:  # the synopsis: quickstart [--set sft.key=value | grpo.key=value]
+            argv = ["quickstart"]
+        if argv == ["--version"]:
+            continue
+        args = cli.build_parser().parse_args(argv)
+        if args.command == "quickstart":
+            stages = ("sft", "grpo") if args.mode == "text" else ("flow_sft", "flow_grpo")
+            out = (
+                args.output_dir
+                or f"runs/{'quickstart' if args.mode == 'text' else 'quickstart_image'}"
+            )
+            written |= {f"{out}/{stage}/model" for stage in stages}
+        elif args.command in cli.RECIPES:
+            cls = CONFIG_CLASSES[args.command]
+            loaded = config.load_config(args.config, cls, args.set)
+            for section in ("model", "student", "teacher"):
+                path = getattr(getattr(loaded, section, None), "path", None)
+                if path is not None and path != "DIR":  # DIR: a placeholder
+                    assert path in written, (line, section, path)
+                    reads += 1
+            if not args.print_config:
+                written.add(f"{loaded.output_dir}/model")
+        else:
+            assert args.model in written, line
+            reads += 1
+    assert len(commands) >= 12 and reads >= 7
