@@ -37,7 +37,7 @@ from .recipes.flow_sft import run_flow_sft
 from .recipes.grpo import run_grpo
 from .recipes.sft import run_sft
 
-QUICKSTART_SFT_STEPS = 3000  # the held-out accuracy plateaus by 2750-3000 steps (1, 2, 4 threads)
+QUICKSTART_SFT_STEPS = 3000  # held-out 91.4 % (seed 0), 89.1 % (seed 1): still rising at 3000
 QUICKSTART_GRPO_STEPS = 100
 QUICKSTART_TASK = {"name": "arithmetic", "num_digits": 2}
 
