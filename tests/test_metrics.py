@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from fake_wandb import FakeWandb
 
 from diffusion_rl.contracts import Extreme, WeightedMetric
 from diffusion_rl.train import loggers
@@ -239,30 +240,6 @@ def test_tensorboard_resume_purges_later_steps_and_gets_images(tmp_path):
     assert scalars == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
     images = events.Images("eval/samples")
     assert [(i.step, i.width, i.height) for i in images] == [(6, 6, 4)]  # step 5's was purged
-
-
-class FakeWandb:
-    """A stand-in ``wandb`` module that records what it is asked to do."""
-
-    def __init__(self):
-        self.inits, self.logged, self.finished = [], [], 0
-
-    def init(self, **kwargs):
-        self.inits.append(kwargs)
-        return self
-
-    def log(self, data, step):
-        self.logged.append((step, data))
-
-    def finish(self):
-        self.finished += 1
-
-    class Image:
-        def __init__(self, path):
-            self.path = path
-
-        def __eq__(self, other):
-            return isinstance(other, FakeWandb.Image) and other.path == self.path
 
 
 def test_wandb_logger_is_lazy_resume_safe_and_gets_scalars_and_images(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from fake_wandb import FakeWandb
 from PIL import Image
 
 from diffusion_rl import cli
@@ -373,27 +374,6 @@ def test_a_finished_run_extended_to_more_steps_evaluates_where_the_longer_run_wo
     a = load_model(tmp_path / "straight" / "model").model.state_dict()
     b = load_model(tmp_path / "extended" / "model").model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-class FakeWandb:
-    """A stand-in ``wandb`` module: records init arguments and logged (step, data)."""
-
-    def __init__(self):
-        self.inits, self.logged, self.finished = [], [], 0
-
-    def init(self, **kwargs):
-        self.inits.append(kwargs)
-        return self
-
-    def log(self, data, step):
-        self.logged.append((step, dict(data)))
-
-    def finish(self):
-        self.finished += 1
-
-    class Image:
-        def __init__(self, path):
-            self.path = path
 
 
 def test_wandb_gets_the_run_config_and_each_metric_once(tmp_path, monkeypatch):
