@@ -242,10 +242,9 @@ class CharReward:
         return torch.tensor([float(sum(map(ord, c)) % 3) for c in completions])
 
 
-def test_the_policy_plan_keys_estimator_noise_by_trace_seed_and_rollout_step():
-    model = tiny_model("block_causal", vocab=TASK.tokenizer.vocab_size)
-    policy = PolicyLossConfig()
-    rollout, _ = collect_rollout(
+def _char_rollout(model, policy):
+    """Two prompts x 3 samples of ``model`` on TASK, rewarded by :class:`CharReward`."""
+    return collect_rollout(
         model,
         TokenSource(TASK, SAMPLER),
         CombinedReward([(CharReward(), 1.0)]),
@@ -256,6 +255,12 @@ def test_the_policy_plan_keys_estimator_noise_by_trace_seed_and_rollout_step():
         seed=0,
         advantage=policy.advantage_spec,
     )
+
+
+def test_the_policy_plan_keys_estimator_noise_by_trace_seed_and_rollout_step():
+    model = tiny_model("block_causal", vocab=TASK.tokenizer.vocab_size)
+    policy = PolicyLossConfig()
+    rollout, _ = _char_rollout(model, policy)
     for scorer in ("exact", "packed", "mean_field", "coupled", "elbo"):
         plan = TokenPolicyPlan(PolicyLoss(policy), scorer=scorer)
         parts = plan.batches(rollout, {}, rollout_step=4, micro_batch_size=4)
@@ -296,17 +301,7 @@ def grpo_weights(scorer: str, micro_batch_size, plan_type=TokenPolicyPlan):
         lambda actor, loss_fn: Trainer(actor, loss_fn, OptimConfig(lr=1e-3, eps=1e-6)),
         micro_batch_size=micro_batch_size,
     )
-    rollout, _ = collect_rollout(
-        roles.rollout,
-        TokenSource(TASK, SAMPLER),
-        CombinedReward([(CharReward(), 1.0)]),
-        start_prompt=0,
-        num_prompts=2,
-        group_size=3,
-        weights_version=0,
-        seed=0,
-        advantage=policy.advantage_spec,
-    )
+    rollout, _ = _char_rollout(roles.rollout, policy)
     learner.step(rollout)
     assert learner.trainer.optimizer_steps == 2
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
