@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
+from flow_toy import one_thread  # noqa: F401 (fixture: one CPU thread per module)
 from PIL import Image
 
 from diffusion_rl import cli, config, quickstart
@@ -27,14 +28,6 @@ from diffusion_rl.train.checkpoint import CheckpointCorruptError
 CHARS = "0123456789+-="
 PROMPT = "a red circle on the left"
 MAX_SEED = 2**63 - 1
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
+from flow_toy import one_thread  # noqa: F401 (fixture: one CPU thread per module)
 
 from diffusion_rl.models import (
     CharTokenizer,
@@ -24,14 +25,6 @@ from diffusion_rl.models import io as model_io
 from diffusion_rl.tasks.geneval import GenEvalConfig, GenEvalTask
 
 CHARS = "0123456789+-="  # 3 specials + 13 characters = tiny_model's vocabulary of 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _flow_model(seed: int = 0, task: dict | None = None) -> FlowDiT:

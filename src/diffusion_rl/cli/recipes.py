@@ -135,21 +135,14 @@ def cmd_quickstart(args) -> int:
     from ..quickstart import run_quickstart, run_quickstart_image
 
     if args.mode == "image":
-        output_dir = args.output_dir or "runs/quickstart_image"
-        run_quickstart_image(
-            output_dir,
-            steps=args.steps,
-            rl_steps=args.rl_steps,
-            overrides=args.set,
-            threads=args.threads,
-        )
+        run, default_dir = run_quickstart_image, "runs/quickstart_image"
     else:
-        output_dir = args.output_dir or "runs/quickstart"
-        run_quickstart(
-            output_dir,
-            steps=args.steps,
-            rl_steps=args.rl_steps,
-            overrides=args.set,
-            threads=args.threads,
-        )
+        run, default_dir = run_quickstart, "runs/quickstart"
+    run(
+        args.output_dir or default_dir,
+        steps=args.steps,
+        rl_steps=args.rl_steps,
+        overrides=args.set,
+        threads=args.threads,
+    )
     return 0
