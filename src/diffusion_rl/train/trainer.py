@@ -188,6 +188,15 @@ class Trainer:
       parameters keep their own dtype.
     * ``activation_checkpointing=True`` calls ``model.enable_activation_checkpointing(True)``.
     * The model is moved to ``device``; so are tensors in each micro-batch (pytree leaves).
+    * ``parts`` (``{name: OptimConfig}``): train the submodules ``model[name]`` (e.g. the
+      stages of a workflow, ``model`` an ``nn.ModuleDict``) as separate parts, each with its
+      own AdamW hyper-parameters, LR schedule and gradient clip (one parameter group per
+      part, in ``parts`` order; ``optim`` is then only the trainer's default). Each
+      micro-batch names its part (``micro_batch.part``), and each part's gradient is
+      normalised once by its own micro-batches' total weight, so a step on several parts is
+      the sum of their weighted-mean losses (``loss``; ``loss/NAME`` each) and a part whose
+      weight is 0 is left unchanged. A non-finite loss or gradient in any part skips the
+      whole step. Metrics add ``grad_norm/NAME`` and ``lr/NAME``.
     """
 
     def __init__(
@@ -200,6 +209,7 @@ class Trainer:
         activation_checkpointing: bool = False,
         seed: int = 0,
         device: str | torch.device = "cpu",
+        parts: Mapping[str, OptimConfig] | None = None,
     ) -> None:
         if not isinstance(optim, OptimConfig):
             raise TypeError(f"optim: expected an OptimConfig, got {type(optim).__name__}")
@@ -222,22 +232,30 @@ class Trainer:
         self.seed = seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
 
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.parts: dict[str, OptimConfig] = _check_parts(model, parts) or {"": optim}
+        self._part_params = {
+            name: [p for p in (model[name] if name else model).parameters() if p.requires_grad]
+            for name in self.parts
+        }
+        self._params = [p for params in self._part_params.values() for p in params]
         if not self._params:
             raise ValueError(f"model: {type(model).__name__} has no parameter with requires_grad")
         self._param_names = {id(p): name for name, p in model.named_parameters()}
         self.optimizer = torch.optim.AdamW(
-            self._params,
-            lr=optim.lr,
-            betas=optim.betas,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
+            [
+                {
+                    "params": self._part_params[name],
+                    "lr": config.lr,
+                    "betas": config.betas,
+                    "eps": config.eps,
+                    "weight_decay": config.weight_decay,
+                }
+                for name, config in self.parts.items()
+            ]
         )
-
-        def factor(step: int) -> float:  # a plain function: LambdaLR then saves no closure
-            return lr_factor(optim, step)
-
-        self.scheduler = LambdaLR(self.optimizer, lr_lambda=factor)
+        # plain functions (one per part): LambdaLR then saves no closure state
+        factors = [lambda step, c=config: lr_factor(c, step) for config in self.parts.values()]
+        self.scheduler = LambdaLR(self.optimizer, lr_lambda=factors)
 
         self.global_step = 0
         self.optimizer_steps = 0
@@ -266,26 +284,36 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         try:
             primaries, aux_items, finite = self._accumulate(micro_batches, loss_fn)
-            loss = reduce_weighted(primaries, "loss")
+            losses = {
+                name: reduce_weighted(items, f"loss/{name}" if name else "loss")
+                for name, items in primaries.items()
+            }
             aux = reduce_metrics(aux_items)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise
 
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        grad_norm = 0.0
+        lrs = {
+            name: float(group["lr"]) for name, group in zip(self.parts, self.optimizer.param_groups)
+        }
+        norms = {name: 0.0 for name in self.parts}
         applied = False
         if not finite:
-            grad_norm = math.nan
+            norms = {name: math.nan for name in self.parts}
             self.skipped_nonfinite += 1
-        elif loss.bound == 0.0:
+        elif all(loss.bound == 0.0 for loss in losses.values()):
             self.skipped_zero_weight += 1
         else:
-            for param in self._params:
-                if param.grad is not None:
-                    param.grad.div_(loss.bound)
-            grad_norm = self._clip_and_norm()
-            if math.isfinite(grad_norm):
+            for name, loss in losses.items():
+                for param in self._part_params[name]:
+                    if param.grad is None:
+                        continue
+                    if loss.bound == 0.0:  # no weight in this part: no update of it
+                        param.grad = None
+                    else:
+                        param.grad.div_(loss.bound)
+            norms = {name: self._clip_and_norm(name) for name in self.parts}
+            if all(math.isfinite(norm) for norm in norms.values()):
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer_steps += 1
@@ -296,23 +324,35 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
 
-        metrics = {"loss": loss.value, "loss_denominator": loss.denominator, **aux}
+        loss_value = sum(loss.value for loss in losses.values())
+        denominator = sum(loss.denominator for loss in losses.values())
+        metrics = {"loss": loss_value, "loss_denominator": denominator, **aux}
+        values = list(norms.values())
+        grad_norm = values[0] if len(values) == 1 else math.sqrt(sum(n * n for n in values))
         metrics.update(
             grad_norm=grad_norm,
-            lr=lr,
+            lr=lrs[next(iter(self.parts))],
             skipped_zero_weight=float(self.skipped_zero_weight),
             skipped_nonfinite=float(self.skipped_nonfinite),
         )
+        if len(self.parts) > 1 or next(iter(self.parts)):
+            for name in self.parts:
+                if name in losses:
+                    metrics[f"loss/{name}"] = losses[name].value
+                metrics[f"grad_norm/{name}"] = norms[name]
+                metrics[f"lr/{name}"] = lrs[name]
         return StepResult(metrics=metrics, applied=applied)
 
     def _accumulate(
         self, micro_batches: Sequence[Any], loss_fn: LossFn
-    ) -> tuple[list[WeightedMetric], list[dict[str, Any]], bool]:
-        """Run ``loss_fn`` on every micro-batch and back-propagate each finite ``S_k``."""
-        primaries: list[WeightedMetric] = []
+    ) -> tuple[dict[str, list[WeightedMetric]], list[dict[str, Any]], bool]:
+        """Run ``loss_fn`` on every micro-batch and back-propagate each finite ``S_k``;
+        the primaries come back grouped by part (in micro-batch order)."""
+        primaries: dict[str, list[WeightedMetric]] = {}
         aux_items: list[dict[str, Any]] = []
         finite = True
         for index, micro_batch in enumerate(micro_batches):
+            part = self._part_of(micro_batch, index)
             with self._autocast():
                 out = loss_fn(self.model, self._to_device(micro_batch), self.generator)
             if not isinstance(out, LossOutput):
@@ -341,20 +381,36 @@ class Trainer:
                     for key, value in out.aux_metrics.items()
                 }
             )
-            primaries.append(out.primary.detach())
+            primaries.setdefault(part, []).append(out.primary.detach())
             if finite and bool(torch.isfinite(total.detach())):
                 total.backward()
             else:
                 finite = False  # keep running loss_fn: metrics and RNG use stay step-invariant
         return primaries, aux_items, finite
 
-    def _clip_and_norm(self) -> float:
-        """Clip to ``grad_clip`` (if set); return the pre-clip global L2 norm."""
-        grads = [p.grad for p in self._params if p.grad is not None]
+    def _part_of(self, micro_batch: Any, index: int) -> str:
+        """The part a micro-batch trains: ``""`` for a trainer without parts, else its
+        ``part`` attribute, which must name one of them."""
+        if list(self.parts) == [""]:
+            return ""
+        part = getattr(micro_batch, "part", None)
+        if part not in self.parts:
+            raise ValueError(
+                f"micro-batch {index}: part {part!r} is not one of this trainer's parts "
+                f"{list(self.parts)}; give each micro-batch a .part naming the model part it trains"
+            )
+        return part
+
+    def _clip_and_norm(self, part: str) -> float:
+        """Clip ``part``'s gradient to its ``grad_clip`` (if set); return its pre-clip L2
+        norm."""
+        params = self._part_params[part]
+        grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return 0.0
-        if self.optim.grad_clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self._params, self.optim.grad_clip)
+        grad_clip = self.parts[part].grad_clip
+        if grad_clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         else:
             norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
             norm = torch.linalg.vector_norm(torch.stack(norms))
@@ -392,6 +448,11 @@ class Trainer:
                 "optim": self.optim.model_dump(mode="json"),
                 "precision": self.precision,
                 "seed": self.seed,
+                **(
+                    {"parts": {k: v.model_dump(mode="json") for k, v in self.parts.items()}}
+                    if list(self.parts) != [""]
+                    else {}
+                ),
             },
         }
 
@@ -617,6 +678,28 @@ class Trainer:
                     f"optimizer state {key!r} of parameter #{index} loaded as {loaded}, saved as "
                     f"{dtype}: optimizer state must keep its dtypes across resumes"
                 )
+
+
+def _check_parts(
+    model: nn.Module, parts: Mapping[str, OptimConfig] | None
+) -> dict[str, OptimConfig]:
+    """``parts`` validated against ``model`` (``{"": optim}`` stands for no parts)."""
+    if parts is None:
+        return {}
+    if not isinstance(parts, Mapping) or not parts:
+        raise ValueError("parts: expected a non-empty mapping {submodule name: OptimConfig}")
+    children = dict(model.named_children())
+    for name, config in parts.items():
+        if not isinstance(name, str) or not name or name not in children:
+            raise ValueError(
+                f"parts: {name!r} is not a submodule of {type(model).__name__} "
+                f"(its submodules: {sorted(children)})"
+            )
+        if not isinstance(config, OptimConfig):
+            raise TypeError(
+                f"parts[{name!r}]: expected an OptimConfig, got {type(config).__name__}"
+            )
+    return dict(parts)
 
 
 def _warn_skipped(message: str) -> None:
