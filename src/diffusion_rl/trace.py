@@ -565,7 +565,8 @@ class FlowTrace:
       in row order. Replay forwards the same groups, so GEMM shapes match the sampler's and
       parity is bitwise; a replay of part of a group is equal only to fp tolerance
     * ``sampler``: the sampler settings (``FlowSamplerConfig`` dump plus ``latent_shape``,
-      ``latent_dtype``, ``group_size``); ``kernel_ids`` op → id; ``weights_version``
+      ``latent_dtype``, ``group_size``); ``kernel_ids`` op → id; ``weights_version``;
+      ``stage``: the workflow stage that sampled it (``""`` outside workflows)
 
     Validated at construction (errors name the field, e.g. ``FlowTrace.sigmas``): ``latents``
     floating and finite; ``sigmas`` finite, strictly decreasing, from 1 (within 1e-5) to
@@ -574,9 +575,9 @@ class FlowTrace:
     tensors, finite; ``prompts`` B strings; ``forward_groups`` >= 0; the sampler's
     ``num_steps``, ``latent_shape`` and ``latent_dtype`` (when present) match the tensors;
     ``kernel_ids`` str → str with ``flow_ode_step`` (and ``flow_sde_step`` when a step is
-    SDE); ``weights_version`` an int in [0, 2^63); ``latents``, ``behaviour_logprobs`` and the
-    conditioning on one device (``sigmas``, ``sde_steps``, ``seeds``, ``forward_groups`` may
-    stay on the CPU).
+    SDE); ``weights_version`` an int in [0, 2^63); ``stage`` a str; ``latents``,
+    ``behaviour_logprobs`` and the conditioning on one device (``sigmas``, ``sde_steps``,
+    ``seeds``, ``forward_groups`` may stay on the CPU).
     """
 
     latents: torch.Tensor
@@ -592,6 +593,7 @@ class FlowTrace:
     kernel_ids: dict[str, str]
     weights_version: int
     model_info: dict[str, Any] = field(default_factory=dict)
+    stage: str = ""
 
     def __post_init__(self) -> None:
         owner = "FlowTrace"
@@ -666,6 +668,11 @@ class FlowTrace:
             _require_key(f"{owner}.kernel_ids", kernels, "flow_sde_step", "it has SDE steps")
         _int(f"{owner}.weights_version", self.weights_version, what="a weights version")
         _str_dict(f"{owner}.model_info", self.model_info)
+        if not isinstance(self.stage, str):
+            raise TypeError(
+                f"{owner}.stage: expected the name of the workflow stage that sampled it (a str, "
+                f"'' outside workflows), got {type(self.stage).__name__}"
+            )
 
         sigma_fix = "the schedule runs from 1 down to 0 (sampling/flow.py flow_sigmas)"
         rules = [
@@ -835,7 +842,7 @@ class FlowTrace:
             raise ValueError("FlowTrace.concat: expected at least one trace, got none")
         first = traces[0]
         for k, trace in enumerate(traces[1:], start=1):
-            for name in ("sampler", "kernel_ids", "weights_version", "model_info"):
+            for name in ("sampler", "kernel_ids", "weights_version", "model_info", "stage"):
                 if getattr(trace, name) != getattr(first, name):
                     raise ValueError(
                         f"FlowTrace.concat: trace {k} has {name}={getattr(trace, name)!r}, trace 0 "

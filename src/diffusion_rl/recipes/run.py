@@ -238,7 +238,7 @@ class OnPolicyRecipe(Recipe):
                 **self.rollout_options(),
             )
         metrics = self.learner.step(rollout)
-        return _one_name_per_value(metrics, self.learner.plan.num_iterations)
+        return _one_name_per_value(metrics, self.learner.num_iterations)
 
     def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
         return {"reward": f"{metrics['rollout/reward_mean']:.3f}"}

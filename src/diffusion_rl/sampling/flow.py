@@ -218,6 +218,7 @@ def sample_flow(
     uncond: Conditioning | None = None,
     decode: bool = True,
     on_step: Callable[[int], None] | None = None,
+    stage: str = "",
 ) -> FlowSample:
     """Generate one sample per prompt.
 
@@ -225,7 +226,8 @@ def sample_flow(
     (the G samples of one prompt); required by ``share_group_noise``. ``cond`` / ``uncond``
     replace ``model.encode_prompts(prompts)`` / ``model.empty_condition(B)`` when given.
     ``capture=True`` returns a :class:`~diffusion_rl.trace.FlowTrace` stamped with
-    ``weights_version`` and the kernel ids used. Call it under ``torch.autocast`` to roll out
+    ``weights_version``, the kernel ids used and ``stage`` (the workflow stage sampling it;
+    ``""`` outside workflows). Call it under ``torch.autocast`` to roll out
     in mixed precision (replay then runs under the same autocast). ``on_step(done)``, when
     given, is called after every finished step of every forward group with the number of
     such steps done so far (``num_steps × ceil(B / micro_batch_size)`` in all), e.g. to drive
@@ -313,6 +315,7 @@ def sample_flow(
             kernel_ids={op: kernels[op].kernel_id for op in used},
             weights_version=int(weights_version),
             model_info={"class": type(model).__name__},
+            stage=stage,
         )
     return FlowSample(latents=final, images=images, trace=trace)
 

@@ -37,7 +37,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..contracts import LossOutput
-from .roles import PolicyRoles
+from .roles import PolicyRoles, StaleTraceError
 from .trainer import Trainer
 
 _KEY_MIX = 1_000_003
@@ -80,13 +80,28 @@ class LearnerPlan(Protocol):
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """A training batch and its position in the step (a pytree: the trainer moves ``batch``)."""
+    """A training batch, its position in the step and the stage (trainer part) it trains
+    (``""``: a single-stage learner). A pytree: the trainer moves ``batch``."""
 
     index: int
     batch: Any
+    part: str = ""
 
 
 pytree.register_dataclass(MicroBatch, serialized_type_name="diffusion_rl.train.learner.MicroBatch")
+
+
+class StageMismatchError(StaleTraceError):
+    """A trace handed to a stage it was not sampled by (a workflow's traces mixed up)."""
+
+
+@dataclass(frozen=True)
+class LearnerStage:
+    """One trained stage of a workflow: its roles (actor, reference, snapshot, rollout
+    weights with their own version) and its plan."""
+
+    roles: PolicyRoles
+    plan: LearnerPlan
 
 
 class PolicyLearner:
@@ -95,6 +110,11 @@ class PolicyLearner:
     ``trainer_factory(model, loss_fn) -> Trainer`` (the learner passes its loss per step).
     ``micro_batch_size``: rows per micro-batch where the plan splits by rows (None: one).
     ``seed`` keys the draws of stochastic scorers: ``(seed, rollout step, micro-batch)``.
+
+    :meth:`staged` builds the learner of a multi-stage workflow: one stage per trained model,
+    each with its own roles and plan, trained by one trainer over their actors (one part per
+    stage: own optimizer settings, LR schedule and clip, each stage's loss normalised over its
+    own micro-batches); :meth:`step_stages` takes one rollout per stage.
     """
 
     def __init__(
@@ -107,23 +127,89 @@ class PolicyLearner:
         allow_off_policy: bool = False,
         seed: int = 0,
     ) -> None:
-        if plan.uses_reference and roles.reference is None:
+        self._setup(
+            {"": LearnerStage(roles, plan)},
+            lambda: trainer_factory(roles.actor, None),
+            micro_batch_size=micro_batch_size,
+            allow_off_policy=allow_off_policy,
+            seed=seed,
+        )
+
+    @classmethod
+    def staged(
+        cls,
+        stages: dict[str, LearnerStage],
+        trainer_factory,
+        *,
+        micro_batch_size: int | None = None,
+        allow_off_policy: bool = False,
+        seed: int = 0,
+    ) -> PolicyLearner:
+        """A learner of several stages; ``trainer_factory(actors: nn.ModuleDict) -> Trainer``
+        must build a trainer with one part per stage (``Trainer(..., parts=...)``)."""
+        if not stages or any(not isinstance(name, str) or not name for name in stages):
             raise ValueError(
-                "reference: this objective scores a reference model; build the roles with "
-                "PolicyRoles(actor, reference=True) (or the teacher, for distillation)"
+                f"stages: expected a non-empty dict of named stages, got {list(stages)}"
             )
-        plan.check(roles)
-        self.roles = roles
-        self.plan = plan
+        learner = cls.__new__(cls)
+        actors = torch.nn.ModuleDict({name: stage.roles.actor for name, stage in stages.items()})
+        learner._setup(
+            dict(stages),
+            lambda: trainer_factory(actors),
+            micro_batch_size=micro_batch_size,
+            allow_off_policy=allow_off_policy,
+            seed=seed,
+        )
+        if set(learner.trainer.parts) != set(stages):
+            raise ValueError(
+                f"trainer_factory: its trainer has parts {list(learner.trainer.parts)}, the "
+                f"stages are {list(stages)}; build it with parts={{stage: OptimConfig}}"
+            )
+        return learner
+
+    def _setup(self, stages, make_trainer, *, micro_batch_size, allow_off_policy, seed) -> None:
+        iterations = {stage.plan.num_iterations for stage in stages.values()}
+        if len(iterations) != 1:
+            raise ValueError(
+                f"num_iterations: the stages' plans take {sorted(iterations)} inner iterations; "
+                "one learner step runs the same number for every stage"
+            )
+        for name, stage in stages.items():
+            if stage.plan.uses_reference and stage.roles.reference is None:
+                raise ValueError(
+                    f"{name + ': ' if name else ''}reference: this objective scores a reference "
+                    "model; build the roles with PolicyRoles(actor, reference=True) (or the "
+                    "teacher, for distillation)"
+                )
+            stage.plan.check(stage.roles)
+        self.stages: dict[str, LearnerStage] = stages
+        self.num_iterations = iterations.pop()
         self.micro_batch_size = micro_batch_size
         self.allow_off_policy = allow_off_policy
         self.seed = seed
-        self.trainer: Trainer = trainer_factory(roles.actor, None)
+        self.trainer: Trainer = make_trainer()
+
+    @property
+    def roles(self) -> PolicyRoles:
+        """The roles of a single-stage learner."""
+        return self._single().roles
+
+    @property
+    def plan(self) -> LearnerPlan:
+        """The plan of a single-stage learner."""
+        return self._single().plan
+
+    def _single(self) -> LearnerStage:
+        if list(self.stages) != [""]:
+            raise AttributeError(
+                f"this learner has stages {list(self.stages)}: use learner.stages[name]"
+            )
+        return self.stages[""]
 
     @property
     def rollout_step(self) -> int:
         """Learner steps taken (each is μ trainer steps)."""
-        return self.trainer.global_step // self.plan.num_iterations
+        return self.trainer.global_step // self.num_iterations
 
     def generator(self, rollout_step: int, index: int) -> torch.Generator:
         """The draws of micro-batch ``index`` at ``rollout_step``: shared by the reference,
@@ -131,15 +217,25 @@ class PolicyLearner:
         return torch.Generator().manual_seed((self.seed * _KEY_MIX + rollout_step) * 4096 + index)
 
     def _live_loss(self, model, micro: MicroBatch, _generator, *, settings, rollout_step: int):
+        stage = self.stages[micro.part]
         generator = self.generator(rollout_step, micro.index)
-        scores = self.plan.score(model, micro.batch, settings, live=True, generator=generator)
-        return self.plan.loss(scores, micro.batch)
+        module = model[micro.part] if micro.part else model
+        scores = stage.plan.score(
+            module, micro.batch, settings[micro.part], live=True, generator=generator
+        )
+        out = stage.plan.loss(scores, micro.batch)
+        if not micro.part:
+            return out
+        aux = {f"{micro.part}/{key}": value for key, value in out.aux_metrics.items()}
+        return LossOutput(primary=out.primary, aux_metrics=aux)
 
-    def _score_frozen(self, model, micro: list[MicroBatch], settings, rollout_step: int) -> list:
-        device = self.roles.compute_device
-        with self.roles.on_compute(model), torch.no_grad(), self.trainer.autocast():
+    def _score_frozen(
+        self, roles: PolicyRoles, plan, model, micro: list[MicroBatch], settings, rollout_step: int
+    ) -> list:
+        device = roles.compute_device
+        with roles.on_compute(model), torch.no_grad(), self.trainer.autocast():
             return [
-                self.plan.score(
+                plan.score(
                     model,
                     _to_device(m.batch, device),
                     settings,
@@ -149,48 +245,101 @@ class PolicyLearner:
                 for m in micro
             ]
 
+    def check_trace(self, name: str, trace) -> None:
+        """Refuse a trace this stage did not sample, or sampled with other weights (unless
+        off-policy use is allowed): :class:`StageMismatchError` /
+        :class:`~diffusion_rl.train.roles.StaleTraceError`, naming stage and versions."""
+        stage = self.stages[name]
+        sampled_by = getattr(trace, "stage", "")
+        if sampled_by != name:
+            raise StageMismatchError(
+                f"stage {name!r}: the trace was sampled by stage {sampled_by!r} (rollout weights "
+                f"v{trace.weights_version}); this stage is at v{stage.roles.version}; hand each "
+                "stage the trace its own rollout weights sampled"
+            )
+        try:
+            stage.roles.check_trace_version(
+                trace.weights_version, allow_off_policy=self.allow_off_policy
+            )
+        except StaleTraceError as error:
+            if not name:
+                raise
+            raise StaleTraceError(f"stage {name!r}: {error}") from None
+
+    def _per_iteration(self, key: str, prefixes: set[str]) -> bool:
+        """Whether a trainer metric is also logged per inner iteration: the objectives' own
+        keys (``flow_grpo/...``, or ``STAGE/flow_grpo/...``), the loss and the grad norm."""
+        head, _, rest = key.partition("/")
+        bare = rest if head in self.stages else key
+        return (
+            bare.startswith(tuple(prefixes))
+            or bare in ("loss", "grad_norm")
+            or head in ("loss", "grad_norm")
+        )
+
     def step(self, rollout) -> dict[str, float]:
         """One optimisation step (μ inner iterations) on ``rollout``; syncs the rollout
         weights. Returns the trainer's metrics (per inner iteration for the objective's keys),
         ``weights_version`` and the rollout's stats."""
-        trace = rollout.trace
-        self.roles.check_trace_version(
-            trace.weights_version, allow_off_policy=self.allow_off_policy
-        )
-        settings = self.plan.pin(trace)
+        return self.step_stages({"": rollout})
+
+    def step_stages(self, rollouts: dict[str, Any]) -> dict[str, float]:
+        """One step on one rollout per stage (keys: the stage names). Every trace is checked
+        (:meth:`check_trace`) before any work. Metrics of a staged learner carry the stage as
+        a prefix (``video/flow_grpo/ratio_mean``, ``video/weights_version``,
+        ``grad_norm/video``)."""
+        if set(rollouts) != set(self.stages):
+            raise ValueError(
+                f"rollouts: expected one per stage {list(self.stages)}, got {list(rollouts)}"
+            )
+        for name in self.stages:
+            self.check_trace(name, rollouts[name].trace)
         rollout_step = self.rollout_step
-        batches = self.plan.batches(
-            rollout, settings, rollout_step=rollout_step, micro_batch_size=self.micro_batch_size
-        )
-        micro = [MicroBatch(i, b) for i, b in enumerate(batches)]
-        none = [None] * len(micro)
-        reference = (
-            self._score_frozen(self.roles.reference, micro, settings, rollout_step)
-            if self.plan.uses_reference
-            else none
-        )
-        old = (
-            self._score_frozen(self.roles.take_snapshot(), micro, settings, rollout_step)
-            if self.plan.num_iterations > 1
-            else none
-        )
-        micro = [
-            MicroBatch(m.index, self.plan.attach(m.batch, r, o))
-            for m, r, o in zip(micro, reference, old)
-        ]
+        settings: dict[str, Any] = {}
+        micro: list[MicroBatch] = []
+        for name, stage in self.stages.items():
+            roles, plan = stage.roles, stage.plan
+            settings[name] = plan.pin(rollouts[name].trace)
+            batches = plan.batches(
+                rollouts[name],
+                settings[name],
+                rollout_step=rollout_step,
+                micro_batch_size=self.micro_batch_size,
+            )
+            own = [MicroBatch(len(micro) + i, b, name) for i, b in enumerate(batches)]
+            none = [None] * len(own)
+            reference = (
+                self._score_frozen(roles, plan, roles.reference, own, settings[name], rollout_step)
+                if plan.uses_reference
+                else none
+            )
+            old = (
+                self._score_frozen(
+                    roles, plan, roles.take_snapshot(), own, settings[name], rollout_step
+                )
+                if self.num_iterations > 1
+                else none
+            )
+            micro += [
+                MicroBatch(m.index, plan.attach(m.batch, r, o), name)
+                for m, r, o in zip(own, reference, old)
+            ]
         loss_fn = functools.partial(self._live_loss, settings=settings, rollout_step=rollout_step)
-        prefix = self.plan.metric_prefix
+        prefixes = {stage.plan.metric_prefix for stage in self.stages.values()} - {None}
         metrics: dict[str, float] = {}
-        for iteration in range(self.plan.num_iterations):
+        for iteration in range(self.num_iterations):
             result = self.trainer.train_step(micro, loss_fn)
-            if prefix is not None:
+            if prefixes:
                 for key, value in result.metrics.items():
-                    if key.startswith(prefix) or key in ("loss", "grad_norm"):
+                    if self._per_iteration(key, prefixes):
                         metrics[f"{key}@iter{iteration}"] = value
             metrics.update(result.metrics)
-        metrics["learner/micro_batches"] = float(len(micro))
-        metrics["weights_version"] = float(self.roles.sync_rollout())
-        metrics.update(rollout.stats)
+        for name, stage in self.stages.items():
+            tag = f"{name}/" if name else ""
+            count = sum(m.part == name for m in micro)
+            metrics[f"{tag}learner/micro_batches"] = float(count)
+            metrics[f"{tag}weights_version"] = float(stage.roles.sync_rollout())
+            metrics.update({f"{tag}{k}": v for k, v in rollouts[name].stats.items()})
         return metrics
 
 
