@@ -321,6 +321,7 @@ def test_get_reward_registry():
         "digits",
         "geneval",
         "math",
+        "motion",
         "sudoku",
         "verifier",
     ]

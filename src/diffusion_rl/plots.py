@@ -138,3 +138,133 @@ def plot_loss_and_accuracy(
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return Path(png_path)
+
+
+# ---------------------------------------------------------------------------- video previews
+_SEPARATOR = 1  # white pixels between frames / clips and around the sheet
+_CAPTION_MARGIN = 4
+
+
+def _video_pixels(clips, owner: str, upscale: int):
+    """``clips`` float ``[B, F, 3, H, W]`` in ``[0, 1]`` as uint8 ``[B, F, H*u, W*u, 3]``
+    (rounded, nearest-neighbour enlarged ``upscale`` times)."""
+    import torch
+
+    if not isinstance(clips, torch.Tensor) or clips.dim() != 5 or clips.shape[2] != 3:
+        shape = tuple(clips.shape) if isinstance(clips, torch.Tensor) else type(clips).__name__
+        raise ValueError(
+            f"{owner}: clips: expected a tensor [B, F, 3, H, W] in [0, 1], got {shape}"
+        )
+    if clips.shape[0] < 1 or clips.shape[1] < 1:
+        raise ValueError(f"{owner}: clips: expected at least one clip and one frame, got none")
+    if isinstance(upscale, bool) or not isinstance(upscale, int) or upscale < 1:
+        raise ValueError(f"{owner}: upscale: expected an int >= 1, got {upscale!r}")
+    pixels = (clips.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
+    pixels = pixels.permute(0, 1, 3, 4, 2).repeat_interleave(upscale, 2)
+    return pixels.repeat_interleave(upscale, 3).numpy()
+
+
+def save_video_strip(clips, path: str | Path, captions: list[str] | None = None, upscale: int = 6):
+    """Write ``clips`` (float ``[B, F, 3, H, W]`` in ``[0, 1]``) as one PNG of frame strips.
+
+    One row per clip, its frames left to right; every frame is enlarged ``upscale`` times by
+    nearest-neighbour and framed by 1-pixel white separators, so frame ``t`` of clip ``b``
+    starts at ``(1 + t * (W*u + 1), 1 + b * (row_h + 1))`` where ``row_h = H*u`` (with
+    captions, at least one text line). Captions (one per clip, optional) go in a column on the
+    right, in black, one line each. Returns ``path``.
+    """
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    pixels = _video_pixels(clips, "save_video_strip", upscale)
+    count, frames, tile_h, tile_w, _ = pixels.shape
+    if captions is not None and len(captions) != count:
+        raise ValueError(f"captions: expected {count} (one per clip), got {len(captions)}")
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    caption_w, row_h = 0, tile_h
+    if captions is not None:
+        widths = [measure.textlength(c, font=font) for c in captions]
+        caption_w = int(np.ceil(max(widths))) + 2 * _CAPTION_MARGIN
+        row_h = max(tile_h, measure.textbbox((0, 0), "Ag", font=font)[3] + 2)
+    strip_w = frames * (tile_w + _SEPARATOR) + _SEPARATOR
+    sheet = Image.new("RGB", (strip_w + caption_w, count * (row_h + _SEPARATOR) + _SEPARATOR))
+    sheet.paste("white", (0, 0, *sheet.size))
+    draw = ImageDraw.Draw(sheet)
+    for b in range(count):
+        y = _SEPARATOR + b * (row_h + _SEPARATOR)
+        for t in range(frames):
+            x = _SEPARATOR + t * (tile_w + _SEPARATOR)
+            sheet.paste(Image.fromarray(np.ascontiguousarray(pixels[b, t])), (x, y))
+        if captions is not None:
+            draw.text((strip_w + _CAPTION_MARGIN, y), captions[b], fill="black", font=font)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(path, format="PNG")
+    return path
+
+
+def save_video_gif(
+    clips, path: str | Path, nrow: int = 8, upscale: int = 6, frame_ms: int = 250
+) -> Path:
+    """Write ``clips`` (float ``[B, F, 3, H, W]`` in ``[0, 1]``) as one animated GIF.
+
+    GIF frame ``t`` is a grid of every clip's frame ``t`` (``nrow`` clips per row, each
+    enlarged ``upscale`` times by nearest-neighbour, 1-pixel white separators: tile ``b`` starts
+    at ``(1 + (b % nrow) * (W*u + 1), 1 + (b // nrow) * (H*u + 1))``); it shows ``frame_ms``
+    milliseconds (stored in 10 ms units) and the animation loops forever. One palette serves
+    every frame: exact when the sheets hold at most 256 distinct colours, white separators
+    included (e.g. palette renders), otherwise a median-cut palette of all frames. GIF writers merge
+    consecutive identical frames (a still clip reads back as fewer frames). Returns ``path``.
+    """
+    import numpy as np
+    from PIL import Image
+
+    pixels = _video_pixels(clips, "save_video_gif", upscale)
+    if isinstance(nrow, bool) or not isinstance(nrow, int) or nrow < 1:
+        raise ValueError(f"save_video_gif: nrow: expected an int >= 1, got {nrow!r}")
+    if isinstance(frame_ms, bool) or not isinstance(frame_ms, int) or frame_ms < 10:
+        raise ValueError(f"save_video_gif: frame_ms: expected an int >= 10, got {frame_ms!r}")
+    count, frames, tile_h, tile_w, _ = pixels.shape
+    cols, rows = min(nrow, count), -(-count // nrow)
+    sheets = np.full(
+        (
+            frames,
+            rows * (tile_h + _SEPARATOR) + _SEPARATOR,
+            cols * (tile_w + _SEPARATOR) + _SEPARATOR,
+            3,
+        ),
+        255,
+        dtype=np.uint8,
+    )
+    for b in range(count):
+        y = _SEPARATOR + (b // nrow) * (tile_h + _SEPARATOR)
+        x = _SEPARATOR + (b % nrow) * (tile_w + _SEPARATOR)
+        sheets[:, y : y + tile_h, x : x + tile_w] = pixels[b]
+    colours, index = np.unique(sheets.reshape(-1, 3), axis=0, return_inverse=True)
+    if len(colours) <= 256:
+        palette = colours.astype(np.uint8)
+        indexed = index.reshape(sheets.shape[:3]).astype(np.uint8)
+        size = (sheets.shape[2], sheets.shape[1])
+        images = [Image.frombytes("P", size, frame.tobytes()) for frame in indexed]
+        for image in images:
+            image.putpalette(palette.ravel().tolist())
+    else:
+        mosaic = Image.fromarray(sheets.reshape(-1, sheets.shape[2], 3))
+        shared = mosaic.quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+        images = [
+            Image.fromarray(frame).quantize(palette=shared, dither=Image.Dither.NONE)
+            for frame in sheets
+        ]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images[0].save(
+        path,
+        format="GIF",
+        save_all=True,
+        append_images=images[1:],
+        duration=frame_ms,
+        loop=0,
+        optimize=False,
+    )
+    return path

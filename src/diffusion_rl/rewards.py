@@ -769,3 +769,100 @@ class CompressibilityReward:
 REWARDS["geneval"] = GenEvalReward
 REWARDS["compressibility"] = CompressibilityReward
 __all__ += ["CompressibilityReward", "GenEvalReward"]
+
+
+# ---------------------------------------------------------------------------- videos
+# Video rewards take ``(clips [B, F, 3, H, W] in [0, 1], prompts)`` (frame-major pixels, e.g.
+# an image-to-video model's ``decode(latents)``) and return float32 ``[B]``, like the image
+# rewards; they combine with :class:`CombinedReward` unchanged.
+
+
+def _check_videos(owner: str, clips: Any, examples: Sequence[Any] | None = None) -> torch.Tensor:
+    """``clips`` as float32 ``[B, F, 3, H, W]`` on CPU, or a clear error naming ``owner``."""
+    if not isinstance(clips, torch.Tensor):
+        raise TypeError(
+            f"{owner}: expected clips as a torch.Tensor [B, F, 3, H, W] first and the prompts "
+            f"second, got {type(clips).__name__} first"
+        )
+    if clips.dim() != 5 or clips.shape[2] != 3 or not clips.is_floating_point():
+        raise ValueError(
+            f"{owner}: expected a float video tensor [B, F, 3, H, W] (frame-major), got shape "
+            f"{tuple(clips.shape)} dtype {clips.dtype}"
+        )
+    clips = clips.detach().to(device="cpu", dtype=torch.float32)
+    if not bool(torch.isfinite(clips).all()) or clips.min() < 0 or clips.max() > 1:
+        raise ValueError(
+            f"{owner}: pixel values must be finite and in [0, 1] (e.g. model.decode(latents)), "
+            "got a tensor outside that range"
+        )
+    if examples is not None:
+        _check_batch(owner, clips, examples)
+    return clips
+
+
+class MotionReward:
+    """Mini-motion correctness of a clip for its prompt (see :mod:`diffusion_rl.tasks.motion`):
+    the fraction of ``attributes`` (default all of ``color``, ``shape``, ``direction``,
+    ``speed``, ``smooth``) the verifier finds right (``mode="mean"``), or 1.0 iff all of them
+    are (``mode="all"``). The score depends on the chosen attributes only (``["color"]``: on
+    the colour, never on the motion). ``slow_pixels`` / ``fast_pixels`` are the task's speeds
+    (pixels per frame); ``min_area`` overrides the noise floor. The name is ``"motion"``, or
+    ``"motion_<attr>_..."`` for a subset (so several subsets can be combined)."""
+
+    def __init__(
+        self,
+        *,
+        attributes: Sequence[str] | None = None,
+        mode: Literal["mean", "all"] = "mean",
+        min_area: int | None = None,
+        slow_pixels: int = 1,
+        fast_pixels: int = 2,
+    ) -> None:
+        from .tasks.motion import MOTION_ATTRIBUTES, check_motion_attributes
+
+        try:
+            self.attributes = check_motion_attributes(attributes)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"MotionReward.{error}") from None
+        if mode not in ("mean", "all"):
+            raise ValueError(f"MotionReward.mode: expected 'mean' or 'all', got {mode!r}")
+        if min_area is not None and (
+            isinstance(min_area, bool) or not isinstance(min_area, int) or min_area < 1
+        ):
+            raise ValueError(f"MotionReward.min_area: expected an int >= 1, got {min_area!r}")
+        for key, value in (("slow_pixels", slow_pixels), ("fast_pixels", fast_pixels)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MotionReward.{key}: expected an int >= 1, got {value!r}")
+        if slow_pixels >= fast_pixels:
+            raise ValueError(
+                f"MotionReward: slow_pixels ({slow_pixels}) must be less than fast_pixels "
+                f"({fast_pixels})"
+            )
+        self.mode, self.min_area = mode, min_area
+        self.slow_pixels, self.fast_pixels = slow_pixels, fast_pixels
+        full = self.attributes == MOTION_ATTRIBUTES
+        self.name = "motion" if full else "_".join(("motion", *self.attributes))
+
+    def __repr__(self) -> str:
+        return (
+            f"MotionReward(attributes={list(self.attributes)}, mode={self.mode!r}, "
+            f"min_area={self.min_area}, slow_pixels={self.slow_pixels}, "
+            f"fast_pixels={self.fast_pixels})"
+        )
+
+    def __call__(self, clips: torch.Tensor, examples: Sequence[Any]) -> torch.Tensor:
+        from .tasks.motion import clip_scores, verify_clips
+
+        clips = _check_videos(self.name, clips, examples)
+        results = verify_clips(
+            clips,
+            examples,
+            slow_pixels=self.slow_pixels,
+            fast_pixels=self.fast_pixels,
+            min_area=self.min_area,
+        )
+        return clip_scores(results, self.attributes, self.mode)
+
+
+REWARDS["motion"] = MotionReward
+__all__ += ["MotionReward"]

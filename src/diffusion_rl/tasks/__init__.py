@@ -1,5 +1,7 @@
 """Built-in synthetic, verifiable tasks and their tokenizer (re-exported from
-:mod:`diffusion_rl.models.tokenizer`).
+:mod:`diffusion_rl.models.tokenizer`). The image and video tasks live in
+:mod:`~diffusion_rl.tasks.geneval` and :mod:`~diffusion_rl.tasks.motion` (the latter's task
+classes are re-exported here).
 
 ``get_task(name, **config)`` builds a registered task from keyword settings; the registry maps a
 task name to ``(config class, task class)``.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 from ..models.tokenizer import CharTokenizer
 from .arithmetic import ArithmeticConfig, ArithmeticTask, Example, Split
+from .motion import MotionConfig, MotionExample, MotionTask
 
 __all__ = [
     "TASKS",
@@ -16,6 +19,9 @@ __all__ = [
     "ArithmeticTask",
     "CharTokenizer",
     "Example",
+    "MotionConfig",
+    "MotionExample",
+    "MotionTask",
     "Split",
     "get_task",
 ]
