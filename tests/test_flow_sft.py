@@ -254,3 +254,68 @@ def test_recipe_micro_batch_size_does_not_change_the_weights(tmp_path):
     whole = final_weights("whole", micro_batch_size=None)
     assert relative_difference(whole, final_weights("split", micro_batch_size=4)) <= 1e-6
     assert relative_difference(whole, final_weights("short", micro_batch_size=4, steps=2)) > 1e-4
+
+
+def test_explicit_cond_and_uncond_are_used_and_dropout_swaps_in_the_uncond_rows():
+    """``flow_sft_batch(cond=..., uncond=...)``: the loss uses them instead of the model's
+    encoders; a dropped row takes ITS row of ``uncond`` (hand computation: the dropout uniform
+    is each row's third draw, after σ and ε)."""
+    model = TinyVelocity()
+    x0 = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(3))
+    weights = torch.tensor([1.0, 2.0, 0.0, 0.5, 1.0, 3.0])
+    prompts = list("012345")
+    default = flow_sft_batch(model, x0, prompts, weights, noise_seeds=KEYS)
+    assert "uncond" not in default and torch.equal(default["cond"]["label"], torch.arange(6))
+    cond = {"label": torch.tensor([9, 8, 7, 6, 5, 4])}  # not what the prompts encode to
+    uncond = {"label": torch.tensor([0, 1, 2, 3, 1, 0])}  # not the model's empty label (10)
+    batch = flow_sft_batch(model, x0, prompts, weights, noise_seeds=KEYS, cond=cond, uncond=uncond)
+    assert batch["cond"] is cond and batch["uncond"] is uncond
+    config = FlowSFTConfig(sigma_sampling="uniform", cond_dropout=0.5)
+    out = FlowMatchingSFT(config)(model, batch, None)
+    drop = torch.zeros(6, dtype=torch.bool)
+    for b in range(6):
+        generator = torch.Generator().manual_seed(int(KEYS[b]))
+        torch.rand((), generator=generator)
+        torch.randn(x0.shape[1:], generator=generator)
+        drop[b] = torch.rand((), generator=generator) < 0.5
+    assert bool(drop.any()) and not bool(drop.all())
+    mixed = torch.where(drop, uncond["label"], cond["label"])
+    no_dropout = FlowSFTConfig(sigma_sampling="uniform")  # the same σ and ε draws
+    expected, denominator = hand_loss(model, x0, mixed, weights, KEYS, no_dropout)
+    assert float(out.primary.sum.detach()) == pytest.approx(expected, rel=1e-5)
+    assert float(out.primary.denominator) == denominator
+    # discriminates: the model's empty condition on the dropped rows gives another loss
+    empty = torch.where(drop, torch.full((6,), 10), cond["label"])
+    assert abs(hand_loss(model, x0, empty, weights, KEYS, no_dropout)[0] - expected) > 1e-3
+    # without dropout, only cond matters: uncond is carried but unused
+    plain = FlowMatchingSFT(no_dropout)(model, batch, None)
+    assert float(plain.primary.sum.detach()) == pytest.approx(
+        hand_loss(model, x0, cond["label"], weights, KEYS, no_dropout)[0], rel=1e-5
+    )
+
+
+def test_explicit_conditioning_is_checked():
+    model = TinyVelocity()
+    x0, keys = torch.zeros(2, 3, 8, 8), torch.tensor([1, 2])
+    label = {"label": torch.tensor([1, 2])}
+    with pytest.raises(ValueError, match=r"cond\['label'\]: expected a batch-first tensor \[B=2"):
+        flow_sft_batch(model, x0, ["1", "2"], noise_seeds=keys, cond={"label": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"uncond\['label'\]: expected a batch-first tensor"):
+        flow_sft_batch(
+            model, x0, ["1", "2"], noise_seeds=keys, cond=label, uncond={"label": torch.ones(1)}
+        )
+    with pytest.raises(ValueError, match=r"uncond: expected the keys of cond \['label'\]"):
+        flow_sft_batch(
+            model, x0, ["1", "2"], noise_seeds=keys, cond=label, uncond={"other": torch.ones(2)}
+        )
+    with pytest.raises(ValueError, match=r"uncond\['label'\]: expected the shape of cond"):
+        flow_sft_batch(
+            model,
+            x0,
+            ["1", "2"],
+            noise_seeds=keys,
+            cond=label,
+            uncond={"label": torch.ones(2, 1, dtype=torch.long)},
+        )
+    with pytest.raises(TypeError, match="cond: expected a dict of tensors"):
+        flow_sft_batch(model, x0, ["1", "2"], noise_seeds=keys, cond=[1, 2])

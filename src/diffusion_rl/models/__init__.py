@@ -1,6 +1,7 @@
 """Models: the token denoiser and velocity-model protocols, the built-in diffusion transformer
-(token) and FlowDiT (image), their tokenizer, and one loader / writer for model directories
-(:func:`load_model`, :func:`save_model`; see :mod:`.io` for what a directory holds)."""
+(token), FlowDiT (image) and VideoDiT (image-to-video), their tokenizer, and one loader /
+writer for model directories (:func:`load_model`, :func:`save_model`; see :mod:`.io` for what
+a directory holds)."""
 
 from .dit import FlowDiT, FlowDiTConfig
 from .io import LoadedModel, load_model, save_model
@@ -13,6 +14,7 @@ from .protocol import (
 )
 from .tokenizer import CharTokenizer
 from .transformer import BlockKVCache, DiffusionTransformer, TransformerConfig
+from .video_dit import VideoDiT, VideoDiTConfig
 
 __all__ = [
     "BlockCachedDenoiser",
@@ -26,6 +28,8 @@ __all__ = [
     "TokenDenoiser",
     "TransformerConfig",
     "VelocityModel",
+    "VideoDiT",
+    "VideoDiTConfig",
     "load_model",
     "save_model",
     "shift_to_target_aligned",

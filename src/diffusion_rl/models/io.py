@@ -6,7 +6,9 @@ A model directory holds:
 * ``config.json``: the architecture, with a ``model_type`` naming the class that reads it
   (see :data:`MODEL_TYPES`; built in: ``"diffusion_rl.transformer"`` → the token denoiser
   :class:`~diffusion_rl.models.transformer.DiffusionTransformer`, ``"diffusion_rl.flow_dit"``
-  → the flow-matching image model :class:`~diffusion_rl.models.dit.FlowDiT`);
+  → the flow-matching image model :class:`~diffusion_rl.models.dit.FlowDiT`,
+  ``"diffusion_rl.flow_video_dit"`` → the image-to-video model
+  :class:`~diffusion_rl.models.video_dit.VideoDiT`);
 * ``model.safetensors``: the weights;
 * ``tokenizer.json``: the :class:`~diffusion_rl.models.tokenizer.CharTokenizer` (token models
   only; its vocabulary and MASK id must match the model's);
@@ -49,6 +51,8 @@ from .dit import FlowDiT
 from .tokenizer import CharTokenizer
 from .transformer import MODEL_TYPE as TRANSFORMER_MODEL_TYPE
 from .transformer import DiffusionTransformer
+from .video_dit import MODEL_TYPE as VIDEO_DIT_MODEL_TYPE
+from .video_dit import VideoDiT
 
 CONFIG_FILE = "config.json"
 INFO_FILE = "diffusion_rl.json"
@@ -126,14 +130,17 @@ def register_model_type(model_type: str, loader: type, kind: ModelKind) -> None:
 
 register_model_type(TRANSFORMER_MODEL_TYPE, DiffusionTransformer, "token")
 register_model_type(FLOW_DIT_MODEL_TYPE, FlowDiT, "flow")
+register_model_type(VIDEO_DIT_MODEL_TYPE, VideoDiT, "flow")
 
 MODEL_LIMITS: dict[str, Mapping[str, int | float]] = {
     TRANSFORMER_MODEL_TYPE: DiffusionTransformer.size_limits,
     FLOW_DIT_MODEL_TYPE: FlowDiT.size_limits,
+    VIDEO_DIT_MODEL_TYPE: VideoDiT.size_limits,
 }
 """``model_type`` → the largest value of each size field its ``config.json`` may hold (the
 built-in config classes enforce them: :data:`~diffusion_rl.models.transformer.SIZE_LIMITS`,
-:data:`~diffusion_rl.models.dit.SIZE_LIMITS`)."""
+:data:`~diffusion_rl.models.dit.SIZE_LIMITS`,
+:data:`~diffusion_rl.models.video_dit.VIDEO_SIZE_LIMITS`)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,10 @@ Computed in float32.
 Batch (a dict, moved to the device by the trainer): ``latents`` ``[B, *latent_shape]``,
 ``cond`` (batch-first tensors), ``noise_seeds [B]`` (int64 noise keys,
 :func:`~diffusion_rl.seeding.noise_keys`), optionally ``uncond`` (default
-``model.empty_condition(B)``) and ``weights [B]`` (default 1).
+``model.empty_condition(B)``) and ``weights [B]`` (default 1). A dropped row takes its
+``uncond`` row (same keys and shapes as ``cond``), so a model whose unconditional branch keeps
+part of the conditioning (an image-to-video model's first frame) passes explicit ``cond`` /
+``uncond`` to :func:`flow_sft_batch`.
 
 Randomness is per row: row b draws from its own stream
 ``torch.Generator().manual_seed(noise_seeds[b])``, in this order: σ (``rand(())``, or
@@ -32,7 +35,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..contracts import LossOutput, WeightedMetric
+from ..contracts import LossOutput, WeightedMetric, check_conditioning
 from ..models.protocol import Conditioning, VelocityModel
 from ..seeding import RowStreams
 
@@ -58,20 +61,33 @@ def flow_sft_batch(
     weights: torch.Tensor | None = None,
     *,
     noise_seeds: torch.Tensor,
+    cond: Conditioning | None = None,
+    uncond: Conditioning | None = None,
 ) -> dict:
     """A batch for :class:`FlowMatchingSFT` from clean latents, their prompts and the rows'
-    noise keys (int64 ``[B]``, e.g. ``noise_keys(dataset_indices, seed, step)``)."""
+    noise keys (int64 ``[B]``, e.g. ``noise_keys(dataset_indices, seed, step)``).
+
+    ``cond`` (default ``model.encode_prompts(prompts)``) and ``uncond`` (the rows
+    ``cond_dropout`` swaps in; default ``model.empty_condition(B)`` at loss time) give the
+    conditioning explicitly, e.g. ``model.encode_conditioning(prompts, first_frames)`` /
+    ``model.empty_conditioning(first_frames)`` for an image-to-video model. Both are checked:
+    batch-first ``[B, ...]`` tensors, ``uncond`` with the keys and shapes of ``cond``.
+    """
     rows = latents.shape[0]
     if len(prompts) != rows:
         raise ValueError(f"prompts: expected {rows} (one per latent), got {len(prompts)}")
     if not isinstance(noise_seeds, torch.Tensor) or tuple(noise_seeds.shape) != (rows,):
         shape = tuple(noise_seeds.shape) if isinstance(noise_seeds, torch.Tensor) else noise_seeds
         raise ValueError(f"noise_seeds: expected an int64 tensor [B={rows}], got {shape!r}")
-    batch = {
-        "latents": latents,
-        "cond": model.encode_prompts(list(prompts)),
-        NOISE_SEEDS: noise_seeds,
-    }
+    if cond is None:
+        cond = model.encode_prompts(list(prompts))
+    else:
+        check_conditioning("cond", cond, rows)
+    batch = {"latents": latents, "cond": cond, NOISE_SEEDS: noise_seeds}
+    if uncond is not None:
+        check_conditioning("uncond", uncond, rows)
+        _check_like(cond, uncond)
+        batch["uncond"] = uncond
     if weights is not None:
         batch["weights"] = weights
     return batch
@@ -133,7 +149,9 @@ class FlowMatchingSFT:
         sigma, noise = sigma.to(device), noise.to(device)
         cond = batch["cond"]
         if drop is not None:
-            uncond = batch.get("uncond") or model.empty_condition(rows)
+            uncond = batch.get("uncond")
+            if uncond is None:
+                uncond = model.empty_condition(rows)
             cond = _mix(cond, {k: v.to(device) for k, v in uncond.items()}, drop.to(device))
 
         s = sigma.view(-1, *([1] * (x0.dim() - 1)))
@@ -155,10 +173,21 @@ class FlowMatchingSFT:
         )
 
 
-def _mix(cond: Conditioning, uncond: Conditioning, drop: torch.Tensor) -> Conditioning:
-    """Per row: ``uncond`` where ``drop``, else ``cond`` (same keys and shapes)."""
+def _check_like(cond: Conditioning, uncond: Conditioning) -> None:
+    """``uncond`` has the keys of ``cond`` and, per key, its shape (no silent broadcast)."""
     if set(cond) != set(uncond):
         raise ValueError(f"uncond: expected the keys of cond {sorted(cond)}, got {sorted(uncond)}")
+    for key, value in cond.items():
+        if tuple(uncond[key].shape) != tuple(value.shape):
+            raise ValueError(
+                f"uncond[{key!r}]: expected the shape of cond[{key!r}] {tuple(value.shape)}, "
+                f"got {tuple(uncond[key].shape)}"
+            )
+
+
+def _mix(cond: Conditioning, uncond: Conditioning, drop: torch.Tensor) -> Conditioning:
+    """Per row: ``uncond`` where ``drop``, else ``cond`` (same keys and shapes)."""
+    _check_like(cond, uncond)
     mixed = {}
     for key, value in cond.items():
         mask = drop.view(-1, *([1] * (value.dim() - 1)))
