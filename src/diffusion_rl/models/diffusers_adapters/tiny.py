@@ -2,6 +2,8 @@
 
 The tokenizers know lowercase letters and digits one character at a time (anything else is
 the unknown token); they are real transformers tokenizers, so pipelines save and reload them.
+The image side (Wan image-to-video) is a 2-layer CLIP vision tower and a CLIP image processor
+sized to it.
 transformers 5's ``CLIPTokenizer`` ignores ``vocab_file=``: it is built from ``vocab=`` /
 ``merges=`` with an explicit ``model_max_length``. The T5 tokenizer is a Unigram model over a
 hand-written piece list (no sentencepiece file).
@@ -14,10 +16,13 @@ from collections.abc import Iterator
 
 import torch
 from transformers import (
+    CLIPImageProcessor,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    CLIPVisionConfig,
+    CLIPVisionModel,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -94,3 +99,27 @@ def tiny_t5_encoder(tokenizer: T5Tokenizer, d_model: int, *, umt5: bool = False)
         decoder_start_token_id=tokenizer.pad_token_id,
     )
     return model_class(config).eval()
+
+
+def tiny_clip_vision_encoder(hidden: int, image_size: int, patch_size: int) -> CLIPVisionModel:
+    """A 2-layer CLIP vision tower of width ``hidden`` on ``image_size``² pixels:
+    ``(image_size / patch_size)² + 1`` tokens (patches and the class token)."""
+    config = CLIPVisionConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        projection_dim=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+    )
+    return CLIPVisionModel(config).eval()
+
+
+def tiny_clip_image_processor(image_size: int) -> CLIPImageProcessor:
+    """CLIP's preprocessing (shortest edge resized to ``image_size``, bicubic, centre crop of
+    ``image_size``², OpenAI mean / std) at the tiny tower's resolution. Without torchvision,
+    transformers 5 builds its PIL-backend twin (same settings, same saved config)."""
+    size = {"shortest_edge": image_size}
+    crop = {"height": image_size, "width": image_size}
+    return CLIPImageProcessor(size=size, crop_size=crop)

@@ -56,7 +56,9 @@ class WanAdapter(FlowPipelineAdapter):
         lora: LoraSettings | None = None,
         save_frozen: bool = False,
     ) -> None:
-        if pipeline.transformer_2 is not None or pipeline.config.expand_timesteps:
+        if getattr(pipeline, "transformer_2", None) is not None or pipeline.config.get(
+            "expand_timesteps"
+        ):
             raise ValueError(
                 "pipeline: Wan 2.2 two-expert / expand_timesteps pipelines are not supported; "
                 "use a single-transformer Wan 2.1 text-to-video directory"
