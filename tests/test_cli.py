@@ -140,7 +140,12 @@ BAD_FLAGS = [
     ),
     (
         ["generate", T, "--output", "x.gif"],
-        "--output: x.gif has extension '.gif'; supported: .png, .jpg, .jpeg, .webp, .json, .txt",
+        "--output: x.gif: a token model's completions are written as .json, .txt, got '.gif'",
+    ),
+    (
+        ["generate", T, "--output", "x.bmp"],
+        "--output: x.bmp has extension '.bmp'; supported: .png, .jpg, .jpeg, .webp, .json, "
+        ".txt, .gif, .safetensors",
     ),
     (["generate", T, "--output", "out"], "--output: out has no extension; supported: .png"),
     (["generate", T, "--trace", "t.txt"], "--trace: t.txt has extension '.txt'; supported: .json"),
@@ -186,7 +191,7 @@ BAD_FLAGS = [
         ["generate", "huge", "--prompt", "1+2="],
         "--model: {huge}/config.json: d_model=2147483648 exceeds the limit 65536",
     ),
-    (["generate", "--prompt", "1+2="], "the following arguments are required: --model"),
+    (["generate", "--prompt", "1+2="], "one of the arguments --model --workflow is required"),
     (["generate", T, "--promt", "x"], "unrecognized arguments: --promt x"),
     # eval
     (["eval", T, "--examples", "-5"], "--examples: must be >= 1 (got -5)"),
@@ -258,7 +263,7 @@ def test_the_bad_flag_cases_are_many_and_distinct():
 
 def test_kind_flag_tables_cover_every_serving_flag():
     """Every flag of generate / eval is either shared or listed as one kind's."""
-    shared = {"help", "model", "prompt", "seed", "output", "split"}
+    shared = {"help", "model", "workflow", "prompt", "seed", "output", "split"}
     for name in ("generate", "eval"):
         sub = _subparsers(cli.build_parser())[name]
         dests = {a.dest for a in sub._actions}
@@ -291,7 +296,8 @@ def undocumented(parser: argparse.ArgumentParser, name: str = "diffusion-rl") ->
 def test_every_flag_of_every_command_has_help():
     parser = cli.build_parser()
     assert set(_subparsers(parser)) == {
-        "quickstart", "sft", "grpo", "distill", "flow-sft", "flow-grpo", "generate", "eval",
+        "quickstart", "sft", "grpo", "distill", "flow-sft", "flow-grpo", "workflow-rl",
+        "generate", "eval",
     }  # fmt: skip
     assert undocumented(parser) == []
     # the walk finds what is missing: a flag, a subcommand without help
@@ -330,12 +336,18 @@ def test_quickstart_help_describes_both_modes(capsys):
     assert cli.main(["quickstart", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "text: SFT -> GRPO" in text and "image: flow SFT -> Flow-GRPO" in text
+    assert "workflow: SFT of both stages -> workflow RL" not in text  # the summary is the list's
     assert "OUT/flow_grpo/model" in text and "OUT/grpo/model" in text
-    assert cli.QUICKSTART_STEPS == {
+    assert "OUT/workflow_rl/model/workflow.yaml" in text
+    image_sft, video_sft = quickstart.QUICKSTART_WORKFLOW_SFT_STEPS
+    assert image_sft == video_sft  # --steps sets both; the help shows one number
+    assert {
         "text": (quickstart.QUICKSTART_SFT_STEPS, quickstart.QUICKSTART_GRPO_STEPS),
         "image": (quickstart.QUICKSTART_IMAGE_SFT_STEPS, quickstart.QUICKSTART_IMAGE_GRPO_STEPS),
-    }
-    assert "(default: 3000; image: 3000)" in text and "(default: 100; image: 100)" in text
+        "workflow": (image_sft, quickstart.QUICKSTART_WORKFLOW_RL_STEPS),
+    } == cli.QUICKSTART_STEPS
+    assert "(default: 3000; image: 3000; workflow: each SFT stage, 800)" in text
+    assert "(default: 100; image: 100; workflow: 30)" in text
 
 
 # ----------------------------------------------------------------------------- version

@@ -543,7 +543,7 @@ def test_the_task_reward_table_is_what_the_rewards_need():
     examples = task.examples(range(6), "eval")
     right = [e.answer for e in examples]
     wrong = [str(int(e.answer) + 1) for e in examples]
-    image = {"geneval", "compressibility"}
+    image = set(config_module.IMAGE_REWARDS) | set(config_module.VIDEO_REWARDS)
     text = sorted(set(REWARDS) - image)
     for name in text:
         reward = get_reward(name, task=task) if name in ("verifier", "digits") else None

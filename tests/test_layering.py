@@ -30,6 +30,7 @@ LAYERS = {
     "rewards": 3,
     "evaluation": 3,
     "plots": 3,
+    "workflows": 3,
     "rollout": 4,
     "train": 5,
     "config": 6,

@@ -274,3 +274,107 @@ def collect_rollout(
         stats.update({f"rollout/{k}": float(v.mean()) for k, v in rollout.reward_parts.items()})
     stats.update(source.stats(rollout))
     return replace(rollout, stats=stats), position
+
+
+# ------------------------------------------------------------------------------ workflows
+@dataclass(frozen=True)
+class WorkflowRollout:
+    """A captured tree rollout of a workflow: ``run`` (every stage's rows, artefacts and
+    traces), ``stages`` (one :class:`Rollout` per stage, with that stage's rewards and
+    advantages), ``rewards`` (the final reward of each final-stage row) and ``stats``."""
+
+    run: Any
+    stages: dict[str, Rollout]
+    rewards: torch.Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def tree_group_sizes(group_size: int, fanouts: Sequence[int]) -> list[int]:
+    """The advantage group of each stage of a tree rollout (rows are laid out parent-major):
+    the first stage's rows form groups of ``group_size`` (the G samples of a prompt); a later
+    stage with fanout K > 1 groups the K children of one parent row; with fanout 1 a row
+    shares its parent's group (so K = 1 collapses to one shared advantage)."""
+    sizes = [group_size]
+    for fanout in fanouts[1:]:
+        sizes.append(fanout if fanout > 1 else sizes[-1])
+    return sizes
+
+
+def descendant_means(final_rewards: torch.Tensor, fanouts: Sequence[int]) -> list[torch.Tensor]:
+    """Per stage, each row's reward: the mean final reward of its descendants (the final
+    stage: its own reward). Rows of every stage are parent-major, so a row's descendants are
+    contiguous."""
+    means, width = [], 1
+    for index in reversed(range(len(fanouts))):
+        rows = final_rewards.shape[0] // width
+        means.append(final_rewards.view(rows, width).mean(1))
+        width *= fanouts[index]
+    return list(reversed(means))
+
+
+def collect_workflow_rollout(
+    workflow,
+    reward_fn: Callable[[torch.Tensor, list[Any]], Any],
+    *,
+    start_prompt: int,
+    num_prompts: int,
+    group_size: int,
+    versions: dict[str, int],
+    seed: int,
+    advantage: AdvantageSpec,
+    fanout: dict[str, int] | None = None,
+    samplers: dict[str, FlowSamplerConfig] | None = None,
+    diagnostics: Callable[[Any], dict[str, float]] | None = None,
+) -> tuple[WorkflowRollout, int]:
+    """A tree rollout of ``workflow`` (the stages' rollout weights, at ``versions``) on the
+    train prompts ``start_prompt, ...`` of ``workflow.task``: ``group_size`` first-stage
+    samples per prompt (seeds :func:`rollout_seed`), each later stage ``fanout`` samples per
+    input row, captured. ``reward_fn(final artefacts, examples)`` scores the final stage;
+    every stage's rows get the mean final reward of their descendants and group advantages
+    within :func:`tree_group_sizes`. ``diagnostics(run)`` adds stats (e.g. a stage-one
+    verifier). Returns the rollout and the next prompt position."""
+    indices = range(start_prompt, start_prompt + num_prompts)
+    examples = [workflow.task.example(i, "train") for i in indices for _ in range(group_size)]
+    seeds = [rollout_seed(seed, i, g) for i in indices for g in range(group_size)]
+    run = workflow.run(
+        examples, seeds, capture=True, versions=versions, samplers=samplers, fanout=fanout
+    )
+    fanout = dict(fanout or {})
+    fanouts = [fanout.get(s.name, s.fanout) if s.input else 1 for s in workflow.spec.stages]
+    final = run.final
+    final_examples = run.examples_of(final.name)
+    scored = reward_fn(final.artefact, final_examples)
+    rewards = scored.total.float()
+    sizes = tree_group_sizes(group_size, fanouts)
+    stage_rewards = descendant_means(rewards, fanouts)
+    stages: dict[str, Rollout] = {}
+    stats: dict[str, float] = {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std(correction=0)),
+    }
+    for stage, size, values in zip(workflow.spec.stages, sizes, stage_rewards):
+        output = run.stages[stage.name]
+        advantages = group_advantages(values, size, advantage)
+        groups = values.view(-1, size)
+        flat = (groups.max(1).values == groups.min(1).values).float().mean()
+        parts = dict(scored.parts) if stage.name == final.name else {}
+        stages[stage.name] = Rollout(
+            trace=output.trace,
+            outputs=output.artefact,
+            examples=run.examples_of(stage.name),
+            rewards=values,
+            advantages=advantages,
+            group_size=size,
+            reward_parts=parts,
+            stats={
+                "rollout/reward_mean": float(values.mean()),
+                "rollout/flat_groups": float(flat),
+                "rollout/advantage_abs_mean": float(advantages.abs().mean()),
+                "rollout/group_size": float(size),
+            },
+        )
+    if len(scored.parts) > 1:
+        stats.update({f"rollout/{k}": float(v.mean()) for k, v in scored.parts.items()})
+    if diagnostics is not None:
+        stats.update(diagnostics(run))
+    return WorkflowRollout(run, stages, rewards, stats), start_prompt + num_prompts

@@ -29,9 +29,12 @@ MAX_GUIDANCE = 100.0
 MAX_PROMPT_CHARS = 10_000
 # quickstart's (SFT, RL) steps per mode, as in quickstart.py (a test checks they agree; the
 # parser does not import it, so --help and --version need no torch).
-QUICKSTART_STEPS = {"text": (3000, 100), "image": (3000, 100)}
+QUICKSTART_STEPS = {"text": (3000, 100), "image": (3000, 100), "workflow": (800, 30)}
 
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+# generate --workflow: an animated GIF of the final clips, PNG frame strips, or every stage's
+# exact artefact tensors (safetensors: bitwise what the workflow produced)
+WORKFLOW_FORMATS = (".gif", ".png", ".safetensors")
 TEXT_FORMATS = (".json", ".txt")  # generate, token models: completions as JSON or lines
 EVAL_FORMATS = (".json",)
 

@@ -25,6 +25,7 @@ from .flags import (
     QUICKSTART_STEPS,
     SEED,
     TEXT_FORMATS,
+    WORKFLOW_FORMATS,
     _existing_file,
     _file_path,
     _HelpFormatter,
@@ -137,39 +138,48 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "quickstart",
         "SFT then RL on a built-in task, on CPU, in minutes (text: SFT -> GRPO; image: "
-        "flow SFT -> Flow-GRPO)",
-        "The out-of-the-box run, two stages on a built-in task. --mode text (default): "
+        "flow SFT -> Flow-GRPO; workflow: SFT of both stages -> workflow RL)",
+        "The out-of-the-box run on a built-in task. --mode text (default): "
         "masked-diffusion SFT of the built-in transformer on 2-digit addition, then GRPO with "
         "exact trace replay; writes OUT/sft and OUT/grpo (model: OUT/grpo/model). --mode "
         "image: rectified-flow SFT of the built-in DiT on mini-GenEval, then Flow-GRPO; "
-        "writes OUT/flow_sft and OUT/flow_grpo (model: OUT/flow_grpo/model). Both print a "
-        "before/after table and write OUT/results.json.",
+        "writes OUT/flow_sft and OUT/flow_grpo (model: OUT/flow_grpo/model). --mode "
+        "workflow: SFT of the image stage (mini-GenEval) and of the image-to-video stage "
+        "(mini-motion clips), OUT/workflow.yaml chaining them, then workflow RL of both "
+        "stages from the final video reward; writes OUT/image_sft, OUT/video_sft and "
+        "OUT/workflow_rl (workflow: OUT/workflow_rl/model/workflow.yaml). Each prints a "
+        "before/after table and writes OUT/results.json.",
     )
     p.add_argument(
         "--mode",
-        choices=["text", "image"],
+        choices=["text", "image", "workflow"],
         default="text",
-        help="text: SFT -> GRPO on 2-digit addition; image: flow SFT -> Flow-GRPO on mini-GenEval",
+        help="text: SFT -> GRPO on 2-digit addition; image: flow SFT -> Flow-GRPO on "
+        "mini-GenEval; workflow: image SFT and video SFT -> workflow RL of text -> image -> "
+        "video from the final video reward",
     )
     p.add_argument(
         "--output-dir",
         type=_text("a directory"),
         default=None,
-        help="where the stages write (default: runs/quickstart; image: runs/quickstart_image)",
+        help="where the stages write (default: runs/quickstart; image: runs/quickstart_image; "
+        "workflow: runs/quickstart_workflow)",
     )
     p.add_argument(
         "--steps",
         type=_integer(1, MAX_STEPS),
         default=None,
         help=f"SFT steps of the first stage (default: {QUICKSTART_STEPS['text'][0]}; image: "
-        f"{QUICKSTART_STEPS['image'][0]})",
+        f"{QUICKSTART_STEPS['image'][0]}; workflow: each SFT stage, "
+        f"{QUICKSTART_STEPS['workflow'][0]})",
     )
     p.add_argument(
         "--rl-steps",
         type=_integer(1, MAX_STEPS),
         default=None,
-        help=f"GRPO (text) or Flow-GRPO (image) steps of the second stage (default: "
-        f"{QUICKSTART_STEPS['text'][1]}; image: {QUICKSTART_STEPS['image'][1]})",
+        help=f"GRPO (text), Flow-GRPO (image) or workflow-RL (workflow) steps of the RL stage "
+        f"(default: {QUICKSTART_STEPS['text'][1]}; image: {QUICKSTART_STEPS['image'][1]}; "
+        f"workflow: {QUICKSTART_STEPS['workflow'][1]})",
     )
     p.add_argument(
         "--threads",
@@ -183,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_override,
         metavar="KEY=VALUE",
         help="override a stage's config key: sft.KEY=VALUE (the SFT stage) or "
-        "grpo.KEY=VALUE (the GRPO / Flow-GRPO stage); repeatable",
+        "grpo.KEY=VALUE (the GRPO / Flow-GRPO stage); workflow mode: image_sft.KEY=VALUE, "
+        "video_sft.KEY=VALUE, workflow_rl.KEY=VALUE; repeatable",
     )
     p.set_defaults(func=cmd_quickstart)
 
@@ -197,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("distill", "on-policy distillation of a token model from a teacher", "teacher.path=DIR"),
         ("flow-sft", "rectified-flow SFT of an image model on mini-GenEval", "steps=500"),
         ("flow-grpo", "Flow-GRPO of an image model on mini-GenEval", "policy.beta=0"),
+        (
+            "workflow-rl",
+            "Flow-GRPO of every stage of a text-to-image-to-video workflow from one final reward",
+            "stages.image.train=false",
+        ),
     ):
         p = command(
             name,
@@ -225,19 +241,27 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.set_defaults(func=cmd_recipe)
 
-    all_outputs = (*IMAGE_FORMATS, *TEXT_FORMATS)
+    all_outputs = tuple(dict.fromkeys((*IMAGE_FORMATS, *TEXT_FORMATS, *WORKFLOW_FORMATS)))
     p = command(
         "generate",
-        "sample completions (token model) or an image grid (image model)",
+        "sample completions (token model), an image grid (image model) or clips (workflow)",
         "Sample from a saved model directory with the sampler it records (flags override "
-        "it). A token model prints the completion of every --prompt; an image model writes "
-        "a captioned grid of --samples images per prompt.",
+        "it), or run a multi-stage workflow. A token model prints the completion of every "
+        "--prompt; an image model writes a captioned grid of --samples images per prompt; a "
+        "workflow (--workflow) runs every stage with the settings its file records and writes "
+        "the final clips as an animated GIF, PNG frame strips, or every stage's exact "
+        "artefacts (.safetensors).",
     )
-    p.add_argument(
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--model",
-        required=True,
         help="a model directory (e.g. runs/quickstart/grpo/model, "
         "runs/quickstart_image/flow_grpo/model)",
+    )
+    source.add_argument(
+        "--workflow",
+        help="a workflow YAML file (e.g. runs/workflow_rl/model/workflow.yaml) or a built-in "
+        "workflow name (text-to-image-to-video, written by quickstart --mode workflow)",
     )
     p.add_argument(
         "--prompt",
@@ -257,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_file_path(all_outputs),
         help="write the result here, in the format its extension names: an image model's grid "
         f"as {', '.join(IMAGE_FORMATS)} (default samples.png); a token model's completions as "
-        ".json or .txt (default: printed only)",
+        ".json or .txt (default: printed only); a workflow's clips as "
+        f"{', '.join(WORKFLOW_FORMATS)} (default clips.gif)",
     )
     tokens = _add_token_sampler_flags(p)
     tokens.add_argument(
@@ -274,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     images.add_argument(
         "--samples",
         type=_integer(1, MAX_SAMPLES),
-        help=f"images per prompt, 1 .. {MAX_SAMPLES} (default: 1)",
+        help=f"images (or a workflow's clips) per prompt, 1 .. {MAX_SAMPLES} (default: 1)",
     )
     _add_image_sampler_flags(images)
     p.set_defaults(func=cmd_generate)

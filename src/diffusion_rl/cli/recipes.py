@@ -1,5 +1,5 @@
-"""The recipe commands (``sft``, ``grpo``, ``distill``, ``flow-sft``, ``flow-grpo``), their
-``--print-config``, and ``quickstart``.
+"""The recipe commands (``sft``, ``grpo``, ``distill``, ``flow-sft``, ``flow-grpo``,
+``workflow-rl``), their ``--print-config``, and ``quickstart``.
 
 A recipe command loads its config (YAML, then ``--set``), refuses a missing model directory
 before creating anything, and runs on the one run loop (``recipes.run.run``); a failed run
@@ -44,6 +44,12 @@ RECIPES = {
         lambda r: f"held-out accuracy {r['eval']['accuracy']:.3f}; model in {r['model_dir']}",
     ),
     "flow-grpo": ("FlowGRPORecipeConfig", "flow_grpo", "FlowGRPORecipe", _held_out_before_after),
+    "workflow-rl": (
+        "WorkflowRLRecipeConfig",
+        "workflow_rl",
+        "WorkflowRLRecipe",
+        lambda r: f"held-out final-video {_before_after(r)}; workflow in {r['workflow']}",
+    ),
 }
 
 # What writes a model directory of each kind (the hint of a missing ``*.path``).
@@ -132,12 +138,13 @@ def cmd_recipe(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
-    from ..quickstart import run_quickstart, run_quickstart_image
+    from ..quickstart import run_quickstart, run_quickstart_image, run_quickstart_workflow
 
-    if args.mode == "image":
-        run, default_dir = run_quickstart_image, "runs/quickstart_image"
-    else:
-        run, default_dir = run_quickstart, "runs/quickstart"
+    run, default_dir = {
+        "text": (run_quickstart, "runs/quickstart"),
+        "image": (run_quickstart_image, "runs/quickstart_image"),
+        "workflow": (run_quickstart_workflow, "runs/quickstart_workflow"),
+    }[args.mode]
     run(
         args.output_dir or default_dir,
         steps=args.steps,

@@ -1,4 +1,5 @@
-"""``generate`` and ``eval`` on a saved model directory, for token and image (flow) models.
+"""``generate`` and ``eval`` on a saved model directory, for token and image (flow) models,
+and ``generate --workflow`` for multi-stage workflows.
 
 The model directory is loaded once (bounded by ``models.io``) and its kind picks the command
 (:data:`GENERATE`, :data:`EVAL`). The sampler is the one the directory records with the
@@ -21,6 +22,7 @@ from .flags import (
     SAMPLER_FLAGS,
     TEXT_FORMATS,
     TOKEN_ONLY,
+    WORKFLOW_FORMATS,
     UsageError,
 )
 
@@ -326,7 +328,77 @@ def _dispatch(table: dict, args) -> int:
     return table[loaded.kind](args, loaded)
 
 
+def cmd_generate_workflow(args) -> int:
+    """``generate --workflow``: run every stage of a workflow with the settings its file
+    records (``--samples`` clips per prompt, sample-major, row i seeded ``--seed + i``) and
+    write the final clips (GIF, PNG frame strips) or every stage's exact artefacts
+    (safetensors, the tensors the workflow handed on, bitwise)."""
+    import safetensors.torch
+    import torch
+
+    from ..models.io import load_model
+    from ..plots import save_video_gif, save_video_strip
+    from ..tasks.motion import MotionTask
+    from ..workflows import Workflow, WorkflowError, load_workflow_spec
+
+    for dest, flag in {**TOKEN_ONLY, "num_steps": "--num-steps", "guidance": "--guidance"}.items():
+        if getattr(args, dest, None) is not None:
+            raise UsageError(
+                f"{flag}: does not apply to --workflow (each stage's sampler is set in the "
+                "workflow file)"
+            )
+    _check_output(args, WORKFLOW_FORMATS, "a workflow's clips are written as")
+    try:
+        spec, path = load_workflow_spec(args.workflow)
+        models = {}
+        for stage in spec.stages:
+            try:
+                models[stage.name] = load_model(stage.model).model
+            except (FileNotFoundError, ValueError) as error:
+                raise WorkflowError(f"stage {stage.name!r}: {error}") from None
+        task = MotionTask.from_info(spec.task) if spec.task else None
+        workflow = Workflow(spec, models, task=task)
+        samples = args.samples or 1
+        prompts = [p for _ in range(samples) for p in args.prompt]
+        if len(prompts) > MAX_IMAGES:
+            raise UsageError(
+                f"--samples: {samples} x {len(args.prompt)} prompts = {len(prompts)} clips, "
+                f"more than the limit {MAX_IMAGES}"
+            )
+        _check_seeds(args, len(prompts))
+        seeds = [args.seed + i for i in range(len(prompts))]
+        run = workflow.run(prompts, seeds)
+    except WorkflowError as error:
+        raise UsageError(f"--workflow: {error}".replace("workflow: ", "", 1)) from None
+    except ValueError as error:  # a prompt the task or a model cannot take
+        raise UsageError(f"--prompt: {error}") from None
+    final = run.final
+    clips, captions = final.artefact, list(final.prompts)
+    if task is not None:
+        verdicts = task.verify(clips, run.examples_of(final.name))
+        captions = [f"{p} {'ok' if v['overall'] else 'x'}" for p, v in zip(captions, verdicts)]
+    output = Path(args.output or "clips.gif")
+    suffix = output.suffix.lower()
+    if suffix == ".gif":
+        save_video_gif(clips, output, nrow=min(8, len(captions)))
+    elif suffix == ".png":
+        save_video_strip(clips, output, captions=captions)
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {name: stage.artefact.contiguous() for name, stage in run.stages.items()}
+        tensors.update(
+            {f"{name}.seeds": torch.tensor(stage.seeds) for name, stage in run.stages.items()}
+        )
+        safetensors.torch.save_file(tensors, str(output), metadata={"workflow": str(path)})
+    for seed, caption in zip(final.seeds, captions):
+        print(f"seed {seed}: {caption}")
+    print(f"{' → '.join(run.stages)}: {len(captions)} clips written to {output}")
+    return 0
+
+
 def cmd_generate(args) -> int:
+    if getattr(args, "workflow", None) is not None:
+        return cmd_generate_workflow(args)
     return _dispatch(GENERATE, args)
 
 

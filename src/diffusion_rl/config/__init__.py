@@ -13,7 +13,7 @@ The package, bottom first; each module imports only modules listed before it:
   :func:`check_device`, the model-size estimators;
 * :mod:`.sections`: the sections recipe configs share (run, models, tasks, rewards) and
   :func:`check_rewards_for_task`;
-* :mod:`.recipes`: the five recipe configs, their defaults and the LR schedule over the run;
+* :mod:`.recipes`: the recipe configs, their defaults and the LR schedule over the run;
 * :mod:`.printing`: :func:`config_to_yaml`, the effective config with every key.
 
 Each invariant of a validated config is stated in the module that enforces it: strict values
@@ -51,12 +51,15 @@ from .recipes import (
     FlowSFTRecipeConfig,
     GRPORecipeConfig,
     SFTRecipeConfig,
+    StageTrainSection,
+    WorkflowRLRecipeConfig,
     with_section_defaults,
 )
 from .sections import _REWARD_NEEDS as _REWARD_NEEDS  # the tests list the rewards it explains
 from .sections import (
     IMAGE_REWARDS,
     TASK_REWARDS,
+    VIDEO_REWARDS,
     FlowModelSection,
     FlowPolicyModelSection,
     ImageRewardSection,
@@ -64,11 +67,13 @@ from .sections import (
     ModelKind,
     ModelRef,
     ModelSection,
+    MotionTaskSection,
     PolicyModelSection,
     RewardSection,
     RunConfig,
     TaskSection,
     TeacherSection,
+    VideoRewardSection,
     check_rewards_for_task,
 )
 
@@ -87,6 +92,7 @@ __all__ = [
     "LIMITS",
     "SFT_OPTIM_DEFAULTS",
     "TASK_REWARDS",
+    "VIDEO_REWARDS",
     "Config",
     "ConfigError",
     "DistillRecipeConfig",
@@ -100,12 +106,16 @@ __all__ = [
     "ModelKind",
     "ModelRef",
     "ModelSection",
+    "MotionTaskSection",
     "PolicyModelSection",
     "RewardSection",
     "RunConfig",
     "SFTRecipeConfig",
+    "StageTrainSection",
     "TaskSection",
     "TeacherSection",
+    "VideoRewardSection",
+    "WorkflowRLRecipeConfig",
     "build_config",
     "check_device",
     "check_rewards_for_task",

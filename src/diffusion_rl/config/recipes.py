@@ -1,5 +1,5 @@
-"""The five recipe configs (``sft``, ``grpo``, ``distill``, ``flow-sft``, ``flow-grpo``),
-their section defaults, and the LR schedule over the run.
+"""The recipe configs (``sft``, ``grpo``, ``distill``, ``flow-sft``, ``flow-grpo``,
+``workflow-rl``), their section defaults, and the LR schedule over the run.
 
 The LR schedule follows ``steps`` unless set: ``optim.total_steps`` (null or left out)
 defaults to ``steps`` in the SFT recipes, and in the RL and distillation recipes whenever
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..objectives.distill import DistillationLossConfig
 from ..objectives.flow_grpo import FlowGRPOConfig
@@ -40,11 +40,13 @@ from .sections import (
     ImageRewardSection,
     ImageTaskSection,
     ModelSection,
+    MotionTaskSection,
     PolicyModelSection,
     RewardSection,
     RunConfig,
     TaskSection,
     TeacherSection,
+    VideoRewardSection,
     _reward_problems,
     _token_task_problems,
 )
@@ -271,14 +273,18 @@ FLOW_GRPO_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
 
 class FlowSFTRecipeConfig(RunConfig):
     """``diffusion-rl flow-sft``: rectified-flow SFT of the built-in DiT on rendered
-    mini-GenEval images, evaluated on held-out prompts with the serving (ODE) sampler."""
+    mini-GenEval images (``task.name: geneval``), or of the built-in image-to-video VideoDiT
+    on rendered mini-motion clips (``task.name: mini-motion``: each clip's first frame
+    conditions it), evaluated on held-out prompts with the serving (ODE) sampler."""
 
     output_dir: str = "runs/flow_sft"
     steps: int = Field(default=3000, gt=0)
     eval_every: int = Field(default=500, gt=0)
     checkpoint_every: int = Field(default=500, gt=0)
     log_every: int = Field(default=10, gt=0)
-    task: ImageTaskSection = ImageTaskSection()
+    task: ImageTaskSection | MotionTaskSection = Field(
+        default=ImageTaskSection(), discriminator="name"
+    )
     model: FlowModelSection = FlowModelSection()
     objective: FlowSFTConfig = FlowSFTConfig(**FLOW_SFT_OBJECTIVE_DEFAULTS)
     optim: OptimConfig = OptimConfig()  # recipe defaults: FLOW_SFT_OPTIM_DEFAULTS, over the run
@@ -298,6 +304,8 @@ class FlowSFTRecipeConfig(RunConfig):
             "sampler": FLOW_SAMPLER_DEFAULTS,
             "optim": FLOW_SFT_OPTIM_DEFAULTS,
         }
+        if isinstance(data, dict) and isinstance(data.get("task"), dict):
+            data = {**data, "task": {"name": "geneval", **data["task"]}}  # name defaults
         return _schedule_defaults(cls, data, sections, always=True, warmup_cap=100)
 
     @model_validator(mode="after")
@@ -319,6 +327,7 @@ class FlowSFTRecipeConfig(RunConfig):
                 )
             else:
                 rows = min(self.micro_batch_size or self.batch_size, self.batch_size)
+                rows *= getattr(self.task, "num_frames", 1)  # a clip: F frames of patches
                 vocab = len(self.task.build().vocabulary)
                 problems += _model_budget(*flow_model_size(self.model, size, vocab, rows))
         _raise_problems(type(self).__name__, problems)
@@ -375,4 +384,86 @@ class FlowGRPORecipeConfig(RunConfig):
             raise ValueError(f"rewards: each reward may appear once, got {names}")
         rows = self.prompts_per_step * self.group_size
         _raise_problems(type(self).__name__, _rows_budget(rows, "prompts x group_size"))
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Workflow RL: every stage of a multi-stage workflow trained from one final reward
+# ---------------------------------------------------------------------------------------------
+
+WORKFLOW_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
+
+
+class StageTrainSection(BaseModel):
+    """How one workflow stage is trained: ``train: false`` freezes it (no optimizer, its
+    weights version stays 0); its own ``optim`` (lr, schedule, clip); ``sampler``: overrides
+    of the workflow file's sampler settings for this stage's *rollouts* (``mode`` is always
+    ``sde``; e.g. ``sde_window``, ``noise_level``, ``kernels``, ``guidance_scale``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    train: bool = True
+    optim: OptimConfig = OptimConfig(**WORKFLOW_OPTIM_DEFAULTS)
+    sampler: dict[str, Any] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optim_defaults(cls, data: Any) -> Any:
+        return with_section_defaults(data, {"optim": WORKFLOW_OPTIM_DEFAULTS})
+
+    @field_validator("sampler")
+    @classmethod
+    def _sampler_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - set(FlowSamplerConfig.model_fields))
+        if unknown:
+            raise ValueError(
+                f"unknown sampler setting {unknown[0]!r}; settings: "
+                f"{', '.join(FlowSamplerConfig.model_fields)}"
+            )
+        if value.get("mode", "sde") != "sde":
+            raise ValueError("mode: rollouts need SDE steps; leave mode out (it is sde)")
+        return value
+
+
+class WorkflowRLRecipeConfig(RunConfig):
+    """``diffusion-rl workflow-rl``: Flow-GRPO on every stage of a workflow from one final
+    reward, with tree rollouts.
+
+    ``workflow``: a workflow file or a built-in name (its stages' model directories and
+    serving samplers, and the task its prompts come from). Per step, ``prompts_per_step``
+    train prompts each get ``group_size`` first-stage samples and every later stage
+    ``fanout`` samples per input row (default: the workflow file's ``fanout``; the video
+    stage's advantage is computed among the K videos of one image, the image stage's from the
+    mean final reward of its videos; K = 1 shares one advantage). ``stages.NAME`` trains,
+    freezes and tunes each stage; ``policy`` is the Flow-GRPO objective of every trained
+    stage. Evaluation serves the workflow with its own samplers at fixed seeds.
+    """
+
+    output_dir: str = "runs/workflow_rl"
+    steps: int = Field(default=60, gt=0)
+    eval_every: int = Field(default=20, gt=0)
+    checkpoint_every: int = Field(default=20, gt=0)
+    workflow: str = "text-to-image-to-video"
+    stages: dict[str, StageTrainSection] = {}
+    fanout: dict[str, int] = {}
+    policy: FlowGRPOConfig = FlowGRPOConfig()
+    rewards: list[VideoRewardSection] = [VideoRewardSection()]
+    prompts_per_step: int = Field(default=2, gt=0)
+    group_size: int = Field(default=4, gt=1)
+    allow_off_policy: bool = False
+    eval_samples_per_prompt: int = Field(default=2, gt=0)
+    preview_clips: int = Field(default=8, ge=0)
+
+    @model_validator(mode="after")
+    def _fail_closed(self) -> WorkflowRLRecipeConfig:
+        if not self.rewards:
+            raise ValueError("rewards: expected at least one reward term")
+        names = [r.name for r in self.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rewards: each reward may appear once, got {names}")
+        for name, count in self.fanout.items():
+            if type(count) is not int or not 1 <= count <= 64:
+                raise ValueError(f"fanout.{name}: expected an int in [1, 64], got {count!r}")
+        rows = self.prompts_per_step * self.group_size * max([1, *self.fanout.values()])
+        _raise_problems(type(self).__name__, _rows_budget(rows, "prompts x group_size x fanout"))
         return self

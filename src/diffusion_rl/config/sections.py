@@ -22,6 +22,7 @@ from pydantic_core import InitErrorDetails
 
 from ..tasks import TASKS, get_task
 from ..tasks.geneval import GenEvalConfig, GenEvalTask
+from ..tasks.motion import MotionConfig, MotionTask
 from .limits import _limit_problems, check_device
 from .loading import (
     ConfigError,
@@ -233,6 +234,20 @@ class ImageTaskSection(GenEvalConfig):
         return GenEvalTask(GenEvalConfig(**self.model_dump(exclude={"name"})))
 
 
+class MotionTaskSection(MotionConfig):
+    """The video task: ``name: mini-motion`` and the
+    :class:`~diffusion_rl.tasks.motion.MotionConfig` keys with their defaults (clips of a
+    shape moving as the prompt says; the model is then the built-in image-to-video
+    :class:`~diffusion_rl.models.video_dit.VideoDiT`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: Literal["mini-motion"]
+
+    def build(self) -> MotionTask:
+        return MotionTask(MotionConfig(**self.model_dump(exclude={"name"})))
+
+
 # ---------------------------------------------------------------------------------------------
 # Rewards
 # ---------------------------------------------------------------------------------------------
@@ -352,6 +367,7 @@ def check_rewards_for_task(rewards: Sequence[Any], task_name: str) -> None:
 
 
 IMAGE_REWARDS = ("geneval", "compressibility")
+VIDEO_REWARDS = ("motion",)
 
 
 class ImageRewardSection(RewardSection):
@@ -366,6 +382,26 @@ class ImageRewardSection(RewardSection):
         if self.name not in IMAGE_REWARDS:
             raise ValueError(
                 f"name {self.name!r} is not an image reward; use one of {IMAGE_REWARDS}"
+            )
+        problem = _reward_options_problem(self.name, self.options)
+        if problem is not None:
+            unknown = problem.startswith("unknown option")
+            raise ValueError(f"options: {problem}" if unknown else problem)
+        return self
+
+
+class VideoRewardSection(RewardSection):
+    """One reward term on a workflow's final videos: ``motion`` (the mini-motion clip
+    verifier; options ``attributes``, a subset of color, shape, direction, speed, smooth, and
+    ``mode: mean | all``), its ``weight`` and options."""
+
+    name: str = "motion"
+
+    @model_validator(mode="after")
+    def _check(self) -> VideoRewardSection:
+        if self.name not in VIDEO_REWARDS:
+            raise ValueError(
+                f"name {self.name!r} is not a video reward; use one of {VIDEO_REWARDS}"
             )
         problem = _reward_options_problem(self.name, self.options)
         if problem is not None:

@@ -1,10 +1,16 @@
-"""Recipe: rectified-flow SFT of the built-in FlowDiT on rendered mini-GenEval images.
+"""Recipe: rectified-flow SFT of the built-in FlowDiT on rendered mini-GenEval images, or of
+the built-in image-to-video VideoDiT on rendered mini-motion clips.
 
 Composes: task renders (data by position) → :class:`FlowMatchingSFT` → :class:`Trainer` →
-:func:`evaluate_images` (held-out prompts, serving ODE sampler at fixed seeds, per-attribute
-verifier), on the run loop. Also writes ``samples/step_N.png`` (a captioned grid of the
-fixed-seed samples at each evaluation); ``model/`` records the task and the serving sampler,
-so ``flow-grpo`` and ``generate`` need nothing else.
+:func:`evaluate_images` / :func:`evaluate_videos` (held-out prompts, serving ODE sampler at
+fixed seeds, per-attribute verifier), on the run loop. Also writes ``samples/step_N.png`` at
+each evaluation (a captioned grid of the fixed-seed images, or frame strips of the clips,
+with ``step_N.gif`` beside them); ``model/`` records the task and the serving sampler, so
+``flow-grpo``, workflows and ``generate`` need nothing else.
+
+A video clip is conditioned on its own first frame (``model.encode_conditioning(prompts,
+clips[:, 0])``, the null-prompt branch on the same frame for ``cond_dropout``), as the video
+stage of a workflow is conditioned on the image stage's picture.
 
 Each training row's σ, ε and dropout are drawn from its own noise key
 ``noise_keys(dataset index, seed, trainer step)``, so ``micro_batch_size`` changes memory
@@ -17,11 +23,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import FlowSFTRecipeConfig
+from ..config import ConfigError, FlowSFTRecipeConfig
+from ..evaluation import evaluate_videos
 from ..models.dit import FlowDiT, FlowDiTConfig
 from ..models.io import save_model
+from ..models.video_dit import VideoDiT, VideoDiTConfig
 from ..objectives.flow_sft import FlowMatchingSFT, flow_sft_batch
+from ..plots import save_video_gif, save_video_strip
 from ..seeding import noise_keys
+from ..tasks.motion import MotionTask
 from .common import check_model_fits_task, evaluate_image_model, load_ref, trainer_factory
 from .run import Recipe, run
 
@@ -34,23 +44,31 @@ class FlowSFTRecipe(Recipe):
     def __init__(self, config: FlowSFTRecipeConfig) -> None:
         self.config = config
         self.task = task = config.task.build()
+        self.video = isinstance(task, MotionTask)
+        if self.video:
+            self.title = "rectified-flow SFT of image-to-video on mini-motion"
         section = config.model
         if section.path is None:
-            self.model = FlowDiT(
-                FlowDiTConfig(
-                    image_size=task.config.image_size,
-                    patch_size=section.patch_size,
-                    d_model=section.d_model,
-                    n_layers=section.n_layers,
-                    n_heads=section.n_heads,
-                    mlp_ratio=section.mlp_ratio,
-                    vocabulary=task.vocabulary,
-                    task=task.info(),
-                )
-            )
+            sizes = {
+                "image_size": task.config.image_size,
+                "patch_size": section.patch_size,
+                "d_model": section.d_model,
+                "n_layers": section.n_layers,
+                "n_heads": section.n_heads,
+                "mlp_ratio": section.mlp_ratio,
+                "vocabulary": task.vocabulary,
+                "task": task.info(),
+            }
+            if self.video:
+                self.model = VideoDiT(VideoDiTConfig(**sizes, num_frames=task.config.num_frames))
+            else:
+                self.model = FlowDiT(FlowDiTConfig(**sizes))
         else:
             self.model = load_ref(section, "flow", "model").model
-            check_model_fits_task(self.model, task, "model.path")
+            if self.video:
+                _check_video_model(self.model, task)
+            else:
+                check_model_fits_task(self.model, task, "model.path")
         objective = FlowMatchingSFT(config.objective)
         self.trainer = trainer_factory(config)(self.model, objective)
         self.metadata = {
@@ -64,17 +82,23 @@ class FlowSFTRecipe(Recipe):
         self.out = Path(config.output_dir)
 
     def describe(self) -> str:
-        return f"flow SFT: FlowDiT {self.model.num_parameters():,} parameters; task: {self.task!r}"
+        name = type(self.model).__name__
+        return f"flow SFT: {name} {self.model.num_parameters():,} parameters; task: {self.task!r}"
 
     def step(self) -> dict[str, float]:
         cfg = self.config
         # train_batch(position, B) holds the examples of indices [position·B, (position+1)·B)
         first = self.position * cfg.batch_size
         keys = noise_keys(range(first, first + cfg.batch_size), cfg.seed, self.trainer.global_step)
-        examples, images = self.task.train_batch(self.position, cfg.batch_size)
+        examples, pixels = self.task.train_batch(self.position, cfg.batch_size)
         self.position += 1
-        latents = self.model.encode_images(images)
         prompts = [e.prompt for e in examples]
+        if self.video:  # clips [B, F, 3, S, S], each conditioned on its own first frame
+            latents = self.model.encode_videos(pixels)
+            cond = self.model.encode_conditioning(prompts, pixels[:, 0])
+            uncond = self.model.empty_conditioning(pixels[:, 0])
+        else:
+            latents, cond, uncond = self.model.encode_images(pixels), None, None
         size = cfg.micro_batch_size or cfg.batch_size
         micro = [
             flow_sft_batch(
@@ -82,6 +106,8 @@ class FlowSFTRecipe(Recipe):
                 latents[lo : lo + size],
                 prompts[lo : lo + size],
                 noise_seeds=keys[lo : lo + size],
+                cond=_rows(cond, lo, size),
+                uncond=_rows(uncond, lo, size),
             )
             for lo in range(0, len(prompts), size)
         ]
@@ -91,9 +117,32 @@ class FlowSFTRecipe(Recipe):
     def evaluate(self, tag: str):
         step = self.steps_done()
         grid = self.out / "samples" / f"step_{step:06d}.png"
-        record, metrics, self.final = evaluate_image_model(
-            self.model, self.task, self.config.sampler, self.config, step, grid
+        if not self.video:
+            record, metrics, self.final = evaluate_image_model(
+                self.model, self.task, self.config.sampler, self.config, step, grid
+            )
+            return record, metrics
+        cfg = self.config
+        self.final = result = evaluate_videos(
+            self.model,
+            self.task,
+            cfg.sampler,
+            samples_per_prompt=cfg.eval_samples_per_prompt,
+            seed=cfg.seed,
         )
+        record = {
+            "step": step,
+            "accuracy": result.accuracy,
+            "attributes": result.attributes,
+            "reward_mean": result.reward_mean,
+        }
+        metrics = {"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}
+        metrics.update({f"eval/{k}": v for k, v in result.attributes.items() if k != "overall"})
+        count = min(cfg.grid_images, result.num_clips)
+        if count:
+            save_video_strip(result.clips[:count], grid, captions=result.prompts[:count])
+            save_video_gif(result.clips[:count], grid.with_suffix(".gif"))
+            record["grid"] = str(grid.relative_to(self.out))
         return record, metrics
 
     def save_model(self, directory) -> None:
@@ -111,6 +160,26 @@ class FlowSFTRecipe(Recipe):
             "eval": self.final.to_dict(),
             "grids": sorted(str(p) for p in (self.out / "samples").glob("*.png")),
         }
+
+
+def _rows(cond, lo: int, size: int):
+    """Rows ``[lo, lo + size)`` of a conditioning dict (None stays None)."""
+    return None if cond is None else {k: v[lo : lo + size] for k, v in cond.items()}
+
+
+def _check_video_model(model, task: MotionTask) -> None:
+    """A loaded model must be an image-to-video model making the task's clips."""
+    if not callable(getattr(model, "encode_conditioning", None)):
+        raise ConfigError(
+            f"model.path: the {task.name} task trains an image-to-video model; "
+            f"{type(model).__name__} is not one (leave model.path out for a new VideoDiT)"
+        )
+    frames, channels, size, _ = task.clip_shape
+    if tuple(model.latent_shape) != (channels, frames, size, size):
+        raise ConfigError(
+            f"model.path: the model makes clips {tuple(model.latent_shape)} (C, F, H, W), the "
+            f"task {(channels, frames, size, size)}; set task.num_frames / task.image_size"
+        )
 
 
 def run_flow_sft(

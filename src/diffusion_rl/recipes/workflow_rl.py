@@ -1,0 +1,296 @@
+"""Recipe: Flow-GRPO on every stage of a multi-stage workflow, from one final reward.
+
+Each step the workflow runs with its stages' *rollout weights* and capture on — the very
+:meth:`~diffusion_rl.workflows.Workflow.run` that serves it — as a tree
+(:func:`~diffusion_rl.rollout.collect_workflow_rollout`): per train prompt ``group_size``
+first-stage samples, and per row ``fanout`` samples of each later stage. The final videos
+are scored by the configured rewards; the video stage's advantage is computed among the
+videos of one image, the image stage's from the mean final reward of its videos. One
+:class:`~diffusion_rl.train.learner.PolicyLearner` with one stage per *trained* model
+replays each stage's SDE steps with that stage's pinned kernels, against its own reference
+and snapshot, and takes one step of one trainer whose parts are the stages (each with its
+own optimizer settings, schedule and clip, each stage's loss normalised over its own steps).
+Then every trained stage's rollout weights are synced, each with its own version; a frozen
+stage keeps version 0.
+
+Evaluation serves the workflow with its own samplers on the held-out prompts at fixed seeds:
+per-attribute accuracy of the final clips, the first stage's image accuracy (a diagnostic),
+and previews ``samples/<tag>.gif`` (animated) and ``samples/<tag>.png`` (frame strips).
+The model directory holds one directory per stage and a ``workflow.yaml`` that serves them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from ..config import ConfigError, WorkflowRLRecipeConfig
+from ..evaluation import evaluate_workflow
+from ..models.io import load_model, save_model
+from ..objectives.flow_grpo import FlowGRPOLoss
+from ..plots import save_video_gif, save_video_strip
+from ..rewards import CombinedReward, get_reward
+from ..rollout import collect_workflow_rollout
+from ..tasks.motion import MotionTask
+from ..train.learner import LearnerStage, PolicyLearner
+from ..train.plans import FlowPolicyPlan
+from ..train.roles import PolicyRoles, frozen_copy
+from ..train.trainer import OptimConfig, Trainer
+from ..workflows import Workflow, WorkflowError, load_workflow_spec
+from .run import Recipe, _one_name_per_value, run
+
+WORKFLOW_FILE = "workflow.yaml"
+
+
+class WorkflowRLRecipe(Recipe):
+    name = "workflow-rl"
+    eval_before = True
+    curves = ("rollout/reward_mean", "eval/accuracy", "eval/image_accuracy")
+
+    def __init__(self, config: WorkflowRLRecipeConfig) -> None:
+        self.config = config
+        try:
+            spec, self.workflow_file = load_workflow_spec(config.workflow)
+        except WorkflowError as error:
+            raise ConfigError(str(error)) from None
+        names = [stage.name for stage in spec.stages]
+        for name in [*config.stages, *config.fanout]:
+            if name not in names:
+                raise ConfigError(
+                    f"stages.{name}: the workflow {config.workflow} has no stage {name!r} "
+                    f"(its stages: {names})"
+                )
+        if spec.task is None:
+            raise ConfigError(
+                f"workflow: {self.workflow_file} names no task; workflow-rl takes its prompts "
+                "from the workflow's task (set task: {name: mini-motion, ...})"
+            )
+        self.task = MotionTask.from_info(spec.task)
+        self.spec = spec
+        self.title = f"workflow RL ({' → '.join(names)}) on {self.task.name}"
+        settings = {name: config.stages.get(name) for name in names}
+        models = {}
+        for stage in spec.stages:
+            try:
+                loaded = load_model(stage.model)
+            except (FileNotFoundError, ValueError) as error:
+                raise ConfigError(f"workflow: stage {stage.name!r}: {error}") from None
+            if loaded.kind != "flow":
+                raise ConfigError(
+                    f"workflow: stage {stage.name!r}: {stage.model} holds a {loaded.kind} model; "
+                    "workflow stages are flow models"
+                )
+            models[stage.name] = loaded.model.to(config.device)
+        self.trained = [n for n in names if settings[n] is None or settings[n].train]
+        if not self.trained:
+            raise ConfigError("stages: every stage is frozen (train: false); nothing to train")
+        self.rollout_samplers = {
+            stage.name: stage.sampler.model_copy(
+                update={
+                    "mode": "sde",
+                    **(settings[stage.name].sampler if settings[stage.name] else {}),
+                }
+            )
+            for stage in spec.stages
+        }
+        for name, sampler in self.rollout_samplers.items():  # re-validate the merged settings
+            self.rollout_samplers[name] = type(sampler).model_validate(sampler.model_dump())
+        self.fanout = {s.name: config.fanout.get(s.name, s.fanout) for s in spec.stages[1:]}
+        self.roles = {
+            name: PolicyRoles(models[name], reference=config.policy.uses_reference)
+            for name in self.trained
+        }
+        stages = {
+            name: LearnerStage(
+                self.roles[name],
+                FlowPolicyPlan(
+                    FlowGRPOLoss(config.policy, reduction=self.rollout_samplers[name].reduction),
+                    seed=config.seed,
+                ),
+            )
+            for name in self.trained
+        }
+        optims = {
+            name: (settings[name].optim if settings[name] else OptimConfig(lr=1e-4, grad_clip=1.0))
+            for name in self.trained
+        }
+
+        def make_trainer(actors: torch.nn.Module) -> Trainer:
+            return Trainer(
+                actors,
+                None,
+                OptimConfig(),
+                precision=config.precision,
+                seed=config.seed,
+                device=config.device,
+                parts=optims,
+            )
+
+        self.learner = PolicyLearner.staged(
+            stages, make_trainer, allow_off_policy=config.allow_off_policy, seed=config.seed
+        )
+        self.trainer = self.learner.trainer
+        # rollouts (and evaluation) run the stages' rollout weights; a frozen stage its model
+        for name in names:
+            if name not in self.roles:
+                models[name] = frozen_copy(models[name])
+        self.models = models
+        self.workflow = Workflow(
+            spec,
+            {n: self.roles[n].rollout if n in self.roles else models[n] for n in names},
+            task=self.task,
+        )
+        self.reward_fn = CombinedReward(
+            [(get_reward(r.name, **r.options), r.weight) for r in config.rewards]
+        )
+        self.image_task = self.task.image_task()
+        self.metadata = {
+            "objective": FlowGRPOLoss(config.policy).metadata(),
+            "workflow": spec.model_dump(mode="json", exclude={"stages": {"__all__": {"model"}}}),
+            "trained": self.trained,
+            "samplers": {k: v.model_dump(mode="json") for k, v in self.rollout_samplers.items()},
+            "task": self.task.info(),
+            "rewards": [r.model_dump() for r in config.rewards],
+            "group_size": config.group_size,
+            "fanout": self.fanout,
+            "prompts_per_step": config.prompts_per_step,
+        }
+        self.out = Path(config.output_dir)
+
+    # ------------------------------------------------------------------ the loop's hooks
+    def describe(self) -> str:
+        cfg = self.config
+        sizes = ", ".join(
+            f"{n} {sum(p.numel() for p in self.models[n].parameters()):,} params"
+            f"{'' if n in self.roles else ' (frozen)'}"
+            for n in self.models
+        )
+        tree = " × ".join([str(cfg.group_size), *map(str, self.fanout.values())])
+        return (
+            f"workflow-rl on {self.task!r}: {sizes}; {cfg.prompts_per_step} prompts × {tree} "
+            f"rollouts per step; rewards {self.reward_fn!r}"
+        )
+
+    def steps_done(self) -> int:
+        return self.learner.rollout_step
+
+    def versions(self) -> dict[str, int]:
+        return {name: self.roles[name].version if name in self.roles else 0 for name in self.models}
+
+    def _diagnostics(self, run) -> dict[str, float]:
+        first = next(iter(run.stages.values()))
+        prompts = [e.image_prompt for e in run.examples_of(first.name)]
+        correct = self.image_task.rewards(first.artefact, prompts, mode="all")
+        final = run.final
+        accuracy = self.task.accuracy(final.artefact, run.examples_of(final.name))
+        stats = {"rollout/image_accuracy": float(correct.mean())}
+        stats.update({f"rollout/{k}": v for k, v in accuracy.items()})
+        return stats
+
+    def step(self) -> dict[str, float]:
+        cfg = self.config
+        with self.trainer.autocast():  # sample at the learner's precision: parity 0
+            rollout, self.position = collect_workflow_rollout(
+                self.workflow,
+                self.reward_fn,
+                start_prompt=self.position,
+                num_prompts=cfg.prompts_per_step,
+                group_size=cfg.group_size,
+                versions=self.versions(),
+                seed=cfg.seed,
+                advantage=cfg.policy.advantage_spec,
+                fanout=self.fanout,
+                samplers=self.rollout_samplers,
+                diagnostics=self._diagnostics,
+            )
+        metrics = self.learner.step_stages({n: rollout.stages[n] for n in self.trained})
+        metrics.update(rollout.stats)
+        return _one_name_per_value(metrics, self.learner.num_iterations)
+
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
+
+    def evaluate(self, tag: str):
+        step = self.steps_done()
+        name = f"step_{step:06d}" if tag == "step" else tag
+        result = evaluate_workflow(
+            self.workflow,
+            samples_per_prompt=self.config.eval_samples_per_prompt,
+            seed=self.config.seed,
+        )
+        self.final = result
+        record = {
+            "step": step,
+            "accuracy": result.accuracy,
+            "attributes": result.attributes,
+            "reward_mean": result.reward_mean,
+            "image_accuracy": result.image_accuracy,
+        }
+        metrics = {
+            "eval/accuracy": result.accuracy,
+            "eval/reward_mean": result.reward_mean,
+            "eval/image_accuracy": result.image_accuracy,
+        }
+        metrics.update({f"eval/{k}": v for k, v in result.attributes.items() if k != "overall"})
+        count = min(self.config.preview_clips, result.num_clips)
+        if count:
+            samples = self.out / "samples"
+            captions = result.prompts[:count]
+            save_video_strip(result.clips[:count], samples / f"{name}.png", captions=captions)
+            save_video_gif(result.clips[:count], samples / f"{name}.gif")
+            record["grid"] = f"samples/{name}.png"
+            record["gif"] = f"samples/{name}.gif"
+        return record, metrics
+
+    def state(self) -> dict[str, Any]:
+        return {"position": self.position, "versions": self.versions()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        for name, roles in self.roles.items():
+            roles.restore(int(state["versions"][name]))
+
+    def save_model(self, directory) -> None:
+        """One model directory per stage and a ``workflow.yaml`` serving them (paths
+        relative to it, the workflow's own serving samplers)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        stages = []
+        for stage in self.spec.stages:
+            model = (
+                self.roles[stage.name].actor
+                if stage.name in self.roles
+                else self.models[stage.name]
+            )
+            info = {"workflow_stage": stage.name, "trained_steps": self.steps_done()}
+            save_model(directory / stage.name, model, info)
+            stages.append({**stage.model_dump(mode="json"), "model": stage.name})
+        spec = {"name": self.spec.name, "task": self.spec.task, "stages": stages}
+        (directory / WORKFLOW_FILE).write_text(yaml.safe_dump(spec, sort_keys=False))
+
+    def results(self, history) -> dict[str, Any]:
+        before, after = history[0], history[-1]
+        return {
+            "accuracy_before": before["accuracy"],
+            "accuracy_after": after["accuracy"],
+            "attributes_before": before["attributes"],
+            "attributes_after": after["attributes"],
+            "image_accuracy_before": before["image_accuracy"],
+            "image_accuracy_after": after["image_accuracy"],
+            "eval": self.final.to_dict(),
+            "trained_stages": self.trained,
+            "weights_versions": self.versions(),
+            "workflow": str(self.out / "model" / WORKFLOW_FILE),
+            "previews": sorted(str(p) for p in (self.out / "samples").glob("*.gif")),
+        }
+
+
+def run_workflow_rl(
+    config: WorkflowRLRecipeConfig, echo: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Train, evaluate, save; returns (and writes) ``results.json``."""
+    return run(config, WorkflowRLRecipe, echo)

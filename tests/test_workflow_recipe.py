@@ -1,0 +1,290 @@
+"""The workflow recipes end to end on tiny models: flow SFT of the video stage, workflow RL of
+both stages (exact replay, independent versions, frozen stages, the constant-reward control,
+exact resume), ``generate --workflow`` against the captured rollout, and the quickstart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+import yaml
+
+from diffusion_rl import cli
+from diffusion_rl.config import ConfigError, FlowSFTRecipeConfig, WorkflowRLRecipeConfig
+from diffusion_rl.models.dit import FlowDiT, FlowDiTConfig
+from diffusion_rl.models.io import load_model, save_model
+from diffusion_rl.models.video_dit import VideoDiT, VideoDiTConfig
+from diffusion_rl.quickstart import run_quickstart_workflow
+from diffusion_rl.recipes.flow_sft import run_flow_sft
+from diffusion_rl.recipes.workflow_rl import run_workflow_rl
+from diffusion_rl.rewards import CombinedReward, get_reward
+from diffusion_rl.rollout import collect_workflow_rollout
+from diffusion_rl.tasks.geneval import VOCABULARY
+from diffusion_rl.tasks.motion import MOTION_VOCABULARY, MotionTask
+from diffusion_rl.workflows import Workflow, load_workflow_spec
+
+TINY = {"patch_size": 4, "d_model": 32, "n_layers": 1, "n_heads": 2}
+SAMPLER = {"num_steps": 3, "shift": 1.0, "guidance_scale": 1.0}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _perturbed(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def stage_models(tmp_path_factory):
+    """Tiny untrained stage models on disk: the image FlowDiT and the video VideoDiT."""
+    root = tmp_path_factory.mktemp("stages")
+    torch.manual_seed(0)
+    task = MotionTask()
+    image = _perturbed(FlowDiT(FlowDiTConfig(image_size=16, vocabulary=VOCABULARY, **TINY)))
+    video = _perturbed(
+        VideoDiT(VideoDiTConfig(image_size=16, num_frames=4, vocabulary=MOTION_VOCABULARY, **TINY))
+    )
+    save_model(root / "image", image, {"task": task.image_task().info()})
+    save_model(root / "video", video, {"task": task.info()})
+    return root
+
+
+def _workflow_file(root, tmp_path, mode="ode", fanout=2):
+    sampler = {**SAMPLER, "mode": mode}
+    spec = {
+        "name": "t2i2v",
+        "task": MotionTask().info(),
+        "stages": [
+            {
+                "name": "image",
+                "model": str(root / "image"),
+                "prompt": "image_prompt",
+                "sampler": sampler,
+            },
+            {
+                "name": "video",
+                "model": str(root / "video"),
+                "input": "image",
+                "fanout": fanout,
+                "sampler": sampler,
+            },
+        ],
+    }
+    path = tmp_path / "workflow.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _rl_config(path, out, **extra):
+    settings = {
+        "workflow": str(path),
+        "output_dir": str(out),
+        "steps": 2,
+        "eval_every": 2,
+        "checkpoint_every": 1,
+        "prompts_per_step": 1,
+        "group_size": 2,
+        "eval_samples_per_prompt": 1,
+        "preview_clips": 2,
+        "policy": {"beta": 0.01, "clip_range": 0.2},
+        "stages": {"image": {"optim": {"lr": 3e-3}}, "video": {"optim": {"lr": 1e-3}}},
+        **extra,
+    }
+    return WorkflowRLRecipeConfig(**settings)
+
+
+def _weights(directory):
+    return load_model(directory).model.state_dict()
+
+
+def test_workflow_rl_trains_both_stages_with_exact_replay(stage_models, tmp_path):
+    path = _workflow_file(stage_models, tmp_path)
+    results = run_workflow_rl(_rl_config(path, tmp_path / "run"), echo=lambda _: None)
+    assert results["weights_versions"] == {"image": 2, "video": 2}
+    assert results["trained_stages"] == ["image", "video"]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "loss" in line]
+    assert [line["step"] for line in steps] == [1, 2]
+    for line in steps:
+        for stage in ("image", "video"):
+            assert line[f"{stage}/flow_grpo/ratio_mean"] == 1.0
+            assert (
+                line[f"{stage}/flow_grpo/ratio_min"] == line[f"{stage}/flow_grpo/ratio_max"] == 1.0
+            )
+            assert line[f"{stage}/flow_grpo/parity_max_abs"] == 0.0
+            assert line[f"grad_norm/{stage}"] > 0
+        assert line["lr/image"] == 3e-3 and line["lr/video"] == 1e-3
+        assert line["video/rollout/group_size"] == 2.0 and line["image/rollout/group_size"] == 2.0
+    # the output serves: a workflow file with both trained stages, relative paths
+    spec, _ = load_workflow_spec(results["workflow"])
+    assert [s.name for s in spec.stages] == ["image", "video"]
+    for stage in ("image", "video"):
+        before, after = _weights(stage_models / stage), _weights(tmp_path / "run" / "model" / stage)
+        assert any(not torch.equal(before[k], after[k]) for k in before), stage
+    assert any(p.endswith("after.gif") for p in results["previews"])
+    assert (tmp_path / "run" / "samples" / "before.png").is_file()
+    assert 0.0 <= results["accuracy_after"] <= 1.0 and "direction" in results["attributes_after"]
+
+
+def test_a_frozen_stage_keeps_version_zero_and_its_weights(stage_models, tmp_path):
+    path = _workflow_file(stage_models, tmp_path)
+    config = _rl_config(path, tmp_path / "run", stages={"image": {"train": False}})
+    results = run_workflow_rl(config, echo=lambda _: None)
+    assert results["weights_versions"] == {"image": 0, "video": 2}
+    before, after = _weights(stage_models / "image"), _weights(tmp_path / "run" / "model" / "image")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_constant_reward_moves_no_stage(stage_models, tmp_path):
+    """The control: a reward that is the same for every clip (weight 0: total 0) gives zero
+    advantages, so neither stage's weights move, bitwise, while both versions advance."""
+    path = _workflow_file(stage_models, tmp_path)
+    config = _rl_config(path, tmp_path / "run", rewards=[{"name": "motion", "weight": 0.0}])
+    results = run_workflow_rl(config, echo=lambda _: None)
+    assert results["weights_versions"] == {"image": 2, "video": 2}
+    for stage in ("image", "video"):
+        before, after = _weights(stage_models / stage), _weights(tmp_path / "run" / "model" / stage)
+        assert all(torch.equal(before[k], after[k]) for k in before), stage
+
+
+def test_resume_continues_exactly(stage_models, tmp_path):
+    path = _workflow_file(stage_models, tmp_path)
+    straight = run_workflow_rl(
+        _rl_config(path, tmp_path / "straight", steps=3, eval_every=3), echo=lambda _: None
+    )
+    run_workflow_rl(
+        _rl_config(path, tmp_path / "split", steps=2, eval_every=3), echo=lambda _: None
+    )
+    resumed = run_workflow_rl(
+        _rl_config(path, tmp_path / "split", steps=3, eval_every=3), echo=lambda _: None
+    )
+    assert resumed["weights_versions"] == straight["weights_versions"] == {"image": 3, "video": 3}
+    for stage in ("image", "video"):
+        a = _weights(tmp_path / "straight" / "model" / stage)
+        b = _weights(tmp_path / "split" / "model" / stage)
+        assert all(torch.equal(a[k], b[k]) for k in a), stage
+
+
+def test_config_errors_name_the_stage(stage_models, tmp_path):
+    path = _workflow_file(stage_models, tmp_path)
+    with pytest.raises(ConfigError, match="stages.audio: the workflow .* has no stage 'audio'"):
+        run_workflow_rl(_rl_config(path, tmp_path / "a", stages={"audio": {}}), echo=print)
+    frozen = {"image": {"train": False}, "video": {"train": False}}
+    with pytest.raises(ConfigError, match="every stage is frozen"):
+        run_workflow_rl(_rl_config(path, tmp_path / "b", stages=frozen), echo=print)
+    with pytest.raises(ConfigError, match="quickstart --mode workflow"):
+        run_workflow_rl(_rl_config("text-to-image-to-video", tmp_path / "c"), echo=print)
+    with pytest.raises(ValueError, match="mode: rollouts need SDE steps"):
+        _rl_config(path, tmp_path / "d", stages={"video": {"sampler": {"mode": "ode"}}})
+    with pytest.raises(ValueError, match="unknown sampler setting 'num_step'"):
+        _rl_config(path, tmp_path / "e", stages={"video": {"sampler": {"num_step": 3}}})
+
+
+def test_generate_workflow_is_bitwise_the_captured_rollout(stage_models, tmp_path):
+    """generate --workflow (capture off) and the workflow-RL rollout (capture on) of the same
+    settings and seeds produce bitwise the same image and video artefacts."""
+    path = _workflow_file(stage_models, tmp_path, mode="sde")
+    out = tmp_path / "clips.safetensors"
+    task = MotionTask()
+    prompt = task.example(0, "train").prompt
+    argv = [
+        "generate",
+        "--workflow",
+        str(path),
+        "--prompt",
+        prompt,
+        "--samples",
+        "2",
+        "--seed",
+        "0",
+    ]
+    assert cli.main([*argv, "--output", str(out)]) == 0
+    served = safetensors.torch.load_file(str(out))
+    spec, _ = load_workflow_spec(path)
+    models = {s.name: load_model(s.model).model for s in spec.stages}
+    workflow = Workflow(spec, models, task=task)
+    reward = CombinedReward([(get_reward("motion"), 1.0)])
+    rollout, _ = collect_workflow_rollout(
+        workflow,
+        reward,
+        start_prompt=0,
+        num_prompts=1,
+        group_size=2,
+        versions={"image": 0, "video": 0},
+        seed=0,
+        advantage=WorkflowRLRecipeConfig().policy.advantage_spec,
+    )
+    for stage in ("image", "video"):
+        captured = rollout.run.stages[stage]
+        assert captured.trace is not None
+        assert torch.equal(served[stage], captured.artefact), stage
+        assert served[f"{stage}.seeds"].tolist() == captured.seeds
+    assert served["video"].shape == (4, 4, 3, 16, 16)
+
+
+def test_flow_sft_trains_the_video_stage(tmp_path):
+    config = FlowSFTRecipeConfig(
+        output_dir=str(tmp_path / "video"),
+        steps=3,
+        eval_every=3,
+        batch_size=4,
+        task={"name": "mini-motion"},
+        model=TINY,
+        sampler=SAMPLER,
+        eval_samples_per_prompt=1,
+        grid_images=2,
+    )
+    results = run_flow_sft(config, echo=lambda _: None)
+    model = load_model(results["model_dir"]).model
+    assert isinstance(model, VideoDiT) and model.latent_shape == (3, 4, 16, 16)
+    assert set(results["eval"]["attributes"]) == {
+        "color", "shape", "direction", "speed", "smooth", "overall"
+    }  # fmt: skip
+    assert (tmp_path / "video" / "samples" / "step_000003.gif").is_file()
+    with pytest.raises(ConfigError, match="trains an image-to-video model; FlowDiT is not one"):
+        image_dir = tmp_path / "image_model"
+        save_model(
+            image_dir, FlowDiT(FlowDiTConfig(image_size=16, vocabulary=VOCABULARY, **TINY)), {}
+        )
+        run_flow_sft(
+            config.model_copy(
+                update={
+                    "model": config.model.model_copy(update={"path": str(image_dir)}),
+                    "output_dir": str(tmp_path / "v2"),
+                }
+            ),
+            echo=lambda _: None,
+        )
+
+
+def test_quickstart_workflow_runs_the_chain(tmp_path, capsys):
+    tiny = [
+        f"{stage}.model.{k}={v}" for stage in ("image_sft", "video_sft") for k, v in TINY.items()
+    ]
+    sampler = [f"{stage}.sampler.num_steps=3" for stage in ("image_sft", "video_sft")]
+    rl = ["workflow_rl.prompts_per_step=1", "workflow_rl.group_size=2",
+          "workflow_rl.eval_samples_per_prompt=1", "workflow_rl.preview_clips=2"]  # fmt: skip
+    summary = run_quickstart_workflow(
+        str(tmp_path / "qs"), steps=2, rl_steps=1, overrides=tiny + sampler + rl
+    )
+    assert summary["image_sft"]["steps"] == summary["video_sft"]["steps"] == 2
+    assert summary["workflow_rl"]["steps"] == 1
+    spec, _ = load_workflow_spec(tmp_path / "qs" / "workflow.yaml")
+    assert spec.stage("video").input == "image" and spec.stage("image").prompt == "image_prompt"
+    assert load_workflow_spec(summary["workflow"])[0].stage("video").fanout == 2
+    text = capsys.readouterr().out
+    assert "after workflow RL" in text and "generate --workflow" in text
+    with pytest.raises(
+        ValueError, match="keys must start with image_sft., video_sft., workflow_rl."
+    ):
+        run_quickstart_workflow(str(tmp_path / "bad"), overrides=["sft.steps=3"])
