@@ -98,12 +98,17 @@ def build_model(args) -> FlowDiT:
     config = FlowDiTConfig(
         image_size=args.image_size, patch_size=args.patch, d_model=args.width, n_layers=args.layers
     )
-    model = FlowDiT(config)
-    with torch.no_grad():  # a fresh DiT predicts exactly 0; give its zero layers weights
+    return fill_zero_layers(FlowDiT(config)).to(args.device)
+
+
+def fill_zero_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every all-zero parameter drawn from N(0, 0.02²) in place (a fresh DiT's
+    zero-initialised layers make it predict exactly 0, which would time a degenerate model)."""
+    with torch.no_grad():
         for param in model.parameters():
             if torch.count_nonzero(param) == 0:
                 param.normal_(0.0, 0.02)
-    return model.to(args.device)
+    return model
 
 
 def synchronize(device) -> None:
@@ -185,6 +190,19 @@ def timed(fn, device, clock: str) -> tuple[float, object]:
     out = fn()
     synchronize(device)
     return now() - start, out
+
+
+def environment(device, load_before: float) -> dict:
+    """The report's ``environment``: versions, device, threads, CPUs and the 1-minute load
+    average before the run (``load_before``) and now."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
 
 
 def memory_probe(args) -> dict:
@@ -340,14 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
             "n_layers": model.config.n_layers,
             "parameters": model.num_parameters(),
         },
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "device": str(device),
-            "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(),
-            "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        },
+        "environment": environment(device, load_before),
     }
     return report
 

@@ -38,18 +38,16 @@ import copy
 import functools
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
-import time
 
 import torch
+from flow import CLOCKS, environment, fill_zero_layers, log, timed  # benchmarks/flow.py
 
 from diffusion_rl.config.sections import FlowModelSection
-from diffusion_rl.models.dit import FlowDiT, FlowDiTConfig
-from diffusion_rl.models.video_dit import VideoDiT, VideoDiTConfig
 from diffusion_rl.objectives.flow_grpo import FlowGRPOConfig, FlowGRPOLoss
+from diffusion_rl.recipes.common import new_flow_model
 from diffusion_rl.rewards import CombinedReward, get_reward
 from diffusion_rl.rollout import collect_workflow_rollout
 from diffusion_rl.sampling.flow import FlowSamplerConfig
@@ -62,16 +60,11 @@ from diffusion_rl.workflows import StageSpec, Workflow, WorkflowSpec
 
 STAGES = ("image", "video")
 LEARNERS = {"both": STAGES, "image": ("image",), "video": ("video",)}
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 TRACE_BYTES_METHOD = (
     "sum of nbytes of every tensor of each stage's FlowTrace (latents [B, N+1, *latent], cond, "
     "uncond, behaviour_logprobs, sigmas, sde_steps, seeds, forward_groups) of the rollout-with-"
     "capture run, divided by its number of clips"
 )
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,35 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_models(task: MotionTask, seed: int) -> dict[str, torch.nn.Module]:
-    """The recipe's default sizes (``FlowModelSection``), random weights, zero layers filled."""
+    """The flow-sft recipe's new models at the default sizes (``FlowModelSection``): the
+    FlowDiT of the first-frame task and the VideoDiT of ``task``, random weights, zero layers
+    filled."""
     section = FlowModelSection()
-    sizes = {
-        "image_size": task.config.image_size,
-        "patch_size": section.patch_size,
-        "d_model": section.d_model,
-        "n_layers": section.n_layers,
-        "n_heads": section.n_heads,
-        "mlp_ratio": section.mlp_ratio,
-    }
-    image_task = task.image_task()
     torch.manual_seed(seed)
-    image = FlowDiT(
-        FlowDiTConfig(**sizes, vocabulary=image_task.vocabulary, task=image_task.info())
-    )
-    video = VideoDiT(
-        VideoDiTConfig(
-            **sizes,
-            num_frames=task.config.num_frames,
-            vocabulary=task.vocabulary,
-            task=task.info(),
-        )
-    )
-    for model in (image, video):  # a fresh DiT predicts exactly 0; give its zero layers weights
-        with torch.no_grad():
-            for param in model.parameters():
-                if torch.count_nonzero(param) == 0:
-                    param.normal_(0.0, 0.02)
-    return {"image": image.eval(), "video": video.eval()}
+    image, video = new_flow_model(section, task.image_task()), new_flow_model(section, task)
+    return {"image": fill_zero_layers(image).eval(), "video": fill_zero_layers(video).eval()}
 
 
 def workflow_spec(task: MotionTask, serving: FlowSamplerConfig) -> WorkflowSpec:
@@ -231,13 +202,6 @@ def rss_mb() -> float | None:
     return None
 
 
-def timed(fn, clock: str):
-    now = CLOCKS[clock]
-    start = now()
-    out = fn()
-    return now() - start, out
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
@@ -286,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     for rep in range(args.reps):
         elapsed = dict.fromkeys(order, 0.0)
         for name in order + order[::-1]:  # a palindrome: linear load drift hits each alike
-            seconds, out = timed(serving_phases[name], clock)
+            seconds, out = timed(serving_phases[name], "cpu", clock)
             elapsed[name] += seconds / 2
             if name == "rollout":
                 captured = out
@@ -295,9 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
         kinds = list(runs) if rep % 2 == 0 else list(runs)[::-1]
         for kind in kinds:
             run = runs[kind]
-            seconds, rollout = timed(run.rollout, clock)
+            seconds, rollout = timed(run.rollout, "cpu", clock)
             times[f"{kind}_rollout"].append(seconds)
-            seconds, last_metrics[kind] = timed(functools.partial(run.step, rollout), clock)
+            seconds, last_metrics[kind] = timed(functools.partial(run.step, rollout), "cpu", clock)
             times[f"{kind}_step"].append(seconds)
         log(
             f"rep {rep + 1}/{args.reps}: "
@@ -386,14 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
             }
             for name, model in models.items()
         },
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "device": "cpu",
-            "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(),
-            "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        },
+        "environment": environment("cpu", load_before),
     }
     return report
 

@@ -1,4 +1,6 @@
-"""A tiny conforming :class:`~diffusion_rl.models.protocol.VelocityModel` for the flow tests.
+"""A tiny conforming :class:`~diffusion_rl.models.protocol.VelocityModel` for the flow tests,
+the ``one_thread`` fixture (import it: ``from flow_toy import one_thread  # noqa: F401``) and
+the weight perturbations the flow-model tests share.
 
 Conditioning is an integer label (prompt "0".."9"; the unconditional row is label 10) through
 a learned embedding, added to a learned embedding of σ, modulating (FiLM) a three-layer conv
@@ -64,3 +66,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def fill_zero_layers(model: nn.Module, std: float = 0.05) -> nn.Module:
+    """``model`` with every all-zero parameter (a DiT's adaLN-Zero and output layers) drawn
+    from N(0, std²) in place, from torch's global RNG, so every input reaches the output (a
+    fresh DiT predicts exactly 0)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if torch.count_nonzero(p) == 0:
+                p.normal_(0.0, std)
+    return model
+
+
+def perturbed(model: nn.Module, scale: float = 0.05) -> nn.Module:
+    """``model`` with ``scale`` · N(0, 1) noise (torch's global RNG) added to every parameter
+    in place: away from the zero-initialised output, so samples are not flat."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model

@@ -346,8 +346,8 @@ def test_quickstart_help_describes_both_modes(capsys):
         "image": (quickstart.QUICKSTART_IMAGE_SFT_STEPS, quickstart.QUICKSTART_IMAGE_GRPO_STEPS),
         "workflow": (image_sft, quickstart.QUICKSTART_WORKFLOW_RL_STEPS),
     } == cli.QUICKSTART_STEPS
-    assert "(default: 3000; image: 3000; workflow: each SFT stage, 800)" in text
-    assert "(default: 100; image: 100; workflow: 30)" in text
+    assert "(default: 3000; image: 3000; workflow: each SFT stage, 1000)" in text
+    assert "(default: 100; image: 100; workflow: 40)" in text
 
 
 # ----------------------------------------------------------------------------- version

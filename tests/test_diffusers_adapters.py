@@ -16,6 +16,7 @@ import time  # noqa: E402
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, WanPipeline  # noqa: E402
+from flow_toy import one_thread  # noqa: E402, F401 (fixture: one CPU thread)
 
 from diffusion_rl.advantages import group_advantages  # noqa: E402
 from diffusion_rl.models.diffusers_adapters import (  # noqa: E402
@@ -39,15 +40,6 @@ FAMILIES = {"sd3": SD3Adapter, "flux": FluxAdapter, "wan": WanAdapter}
 LATENT_SHAPES = {"sd3": (4, 8, 8), "flux": (4, 8, 8), "wan": (4, 3, 8, 8)}
 PIXEL_SHAPES = {"sd3": (3, 16, 16), "flux": (3, 16, 16), "wan": (5, 3, 16, 16)}
 PROMPTS = ["a red cat", "two dogs 12", "x"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny convolutions run ~50x slower on 2 threads when other processes load the CPUs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(params=list(FAMILIES))

@@ -7,22 +7,13 @@ import json
 import pydantic
 import pytest
 import torch
+from flow_toy import fill_zero_layers, one_thread  # noqa: F401 (fixture: one CPU thread)
 
 from diffusion_rl.models.dit import DEFAULT_VOCABULARY, FlowDiT, FlowDiTConfig
 from diffusion_rl.models.protocol import VelocityModel
 from diffusion_rl.sampling.flow import FlowSamplerConfig, sample_flow
 from diffusion_rl.scoring.flow import FlowReplayScorer
 from diffusion_rl.tasks.geneval import VOCABULARY, GenEvalConfig, GenEvalTask
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small GEMMs run much faster on one thread when other processes load the CPUs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 PROMPTS = [
     "a red circle on the left",
@@ -38,12 +29,7 @@ def _model(seed: int = 0, **overrides) -> FlowDiT:
     that every input actually reaches the output (a fresh model predicts exactly 0)."""
     torch.manual_seed(seed)
     settings = dict(image_size=16, patch_size=4, d_model=32, n_layers=2, n_heads=4)
-    model = FlowDiT(FlowDiTConfig(**{**settings, **overrides})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if torch.count_nonzero(p) == 0:
-                p.normal_(0.0, 0.05)
-    return model
+    return fill_zero_layers(FlowDiT(FlowDiTConfig(**{**settings, **overrides})).eval())
 
 
 def _inputs(model: FlowDiT, prompts: list[str], seed: int = 0):

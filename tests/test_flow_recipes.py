@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from flow_toy import one_thread  # noqa: F401 - the fixture applies by import
 from safetensors.torch import load_file
 
 from diffusion_rl import cli
@@ -56,14 +57,6 @@ GRPO_TINY = {
     "checkpoint_every": 1,
     "optim": {"lr": 1e-3},
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def sft_config(tmp_path, name="sft", **extra) -> FlowSFTRecipeConfig:

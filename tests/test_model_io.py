@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, write_config
 from flow_toy import one_thread  # noqa: F401 (fixture: one CPU thread per module)
 
 from diffusion_rl.models import (
@@ -266,24 +266,6 @@ def test_estimate_parameters_equals_the_built_models_count(config):
     assert model_io.estimate_load_bytes(built) == 2 * 4 * built  # float32, plus the file read
 
 
-def _write_config(directory: Path, config) -> Path:
-    directory.mkdir(exist_ok=True)
-    text = config if isinstance(config, str) else json.dumps(config)
-    (directory / "config.json").write_text(text)
-    return directory
-
-
-@pytest.fixture
-def never_built(monkeypatch):
-    """Fail the test if a model class is instantiated (refusals happen before allocation)."""
-
-    def refuse(self, *args, **kwargs):
-        raise AssertionError(f"{type(self).__name__} was built")
-
-    monkeypatch.setattr(DiffusionTransformer, "__init__", refuse)
-    monkeypatch.setattr(FlowDiT, "__init__", refuse)
-
-
 def _refused(path: Path, error: type, match: str) -> float:
     start = time.perf_counter()
     with pytest.raises(error, match=match):
@@ -355,7 +337,7 @@ def test_config_json_beyond_limits_or_malformed_is_refused_before_allocation(
     drop = change.pop("drop", None)
     config = {k: v for k, v in {**base, **change}.items() if k != drop and v is not None}
     config.update({k: v for k, v in change.items() if v is None and k != drop})
-    path = _write_config(tmp_path / "m", config)
+    path = write_config(tmp_path / "m", config)
     _refused(path, model_io.ModelConfigError, f"^{path / 'config.json'}: {match}")
 
 
@@ -373,7 +355,7 @@ def test_config_json_beyond_limits_or_malformed_is_refused_before_allocation(
     ],
 )
 def test_invalid_json_is_one_line_with_line_and_column(tmp_path, never_built, text, where, what):
-    path = _write_config(tmp_path / "m", text)
+    path = write_config(tmp_path / "m", text)
     _refused(path, model_io.ModelConfigError, f"^{path / 'config.json'}:{where}: not valid JSON")
     with pytest.raises(ValueError) as caught:
         load_model(path)
@@ -381,7 +363,7 @@ def test_invalid_json_is_one_line_with_line_and_column(tmp_path, never_built, te
 
 
 def test_oversized_json_files_are_refused_unread(tmp_path, never_built, monkeypatch):
-    path = _write_config(tmp_path / "m", {**TOKEN_CONFIG, "pad": "x" * 2048})
+    path = write_config(tmp_path / "m", {**TOKEN_CONFIG, "pad": "x" * 2048})
     monkeypatch.setattr(model_io, "MAX_JSON_BYTES", 1024)
     size = (path / "config.json").stat().st_size
     _refused(path, model_io.ModelConfigError, f"config.json: {size} bytes, more than the 1024")
@@ -435,7 +417,7 @@ def test_a_model_larger_than_memory_is_refused_with_its_estimate(tmp_path, never
         **{"vocab_size": 2**20, "d_model": 2**16, "n_layers": 1024, "n_heads": 1024},
         **{"d_ff": 2**18, "max_seq_len": 2**20, "block_size": 64},
     }
-    path = _write_config(tmp_path / "huge", config)
+    path = write_config(tmp_path / "huge", config)
     d, f, v, s = 2**16, 2**18, 2**20, 2**20
     count = 2 * v * d + s * d + 1024 * (4 * d * d + 2 * d * f + 9 * d + f) + 2 * d
     assert model_io.estimate_parameters(config) == count
@@ -455,7 +437,7 @@ def test_a_model_larger_than_memory_is_refused_with_its_estimate(tmp_path, never
 def test_the_memory_check_compares_with_what_is_available(tmp_path, monkeypatch):
     monkeypatch.setattr(model_io, "available_memory", lambda: 1 << 30)  # a 1 GiB machine
     config = {**FLOW_CONFIG, "d_model": 1024, "n_layers": 16, "n_heads": 16}  # 2.45 GB to load
-    path = _write_config(tmp_path / "big", config)
+    path = write_config(tmp_path / "big", config)
     count = model_io.estimate_parameters(config)
     assert count == 306_649_136 and 8 * count > 1 << 30
     with monkeypatch.context() as patched:

@@ -10,6 +10,8 @@ import time
 import pydantic
 import pytest
 import torch
+from conftest import write_config
+from flow_toy import fill_zero_layers, one_thread  # noqa: F401 (fixture: one CPU thread)
 
 from diffusion_rl.models import (
     FlowDiT,
@@ -28,16 +30,6 @@ from diffusion_rl.scoring.flow import FlowReplayScorer
 from diffusion_rl.seeding import noise_keys
 from diffusion_rl.train import OptimConfig, Trainer
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small GEMMs run much faster on one thread when other processes load the CPUs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 PROMPTS = ["a red square right", "a blue circle left", "two green triangles"]
 TINY = dict(image_size=8, patch_size=4, d_model=32, n_layers=2, n_heads=4, num_frames=3)
 
@@ -46,12 +38,7 @@ def _model(seed: int = 0, **overrides) -> VideoDiT:
     """A tiny VideoDiT whose zero-initialised layers (adaLN, output) get random weights, so
     every input reaches the output (a fresh model predicts exactly 0)."""
     torch.manual_seed(seed)
-    model = VideoDiT(VideoDiTConfig(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if torch.count_nonzero(p) == 0:
-                p.normal_(0.0, 0.05)
-    return model
+    return fill_zero_layers(VideoDiT(VideoDiTConfig(**{**TINY, **overrides})).eval())
 
 
 def _images(rows: int, size: int = 8, seed: int = 0) -> torch.Tensor:
@@ -346,23 +333,6 @@ VIDEO_CONFIG = {"model_type": MODEL_TYPE, **TINY}
 MAX_REFUSAL_S = 1.0
 
 
-@pytest.fixture
-def never_built(monkeypatch):
-    """Fail the test if a model is instantiated (refusals happen before allocation)."""
-
-    def refuse(self, *args, **kwargs):
-        raise AssertionError(f"{type(self).__name__} was built")
-
-    monkeypatch.setattr(VideoDiT, "__init__", refuse)
-    monkeypatch.setattr(FlowDiT, "__init__", refuse)
-
-
-def _write_config(directory, config):
-    directory.mkdir(exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 @pytest.mark.parametrize(
     ("change", "match"),
     [
@@ -384,7 +354,7 @@ def _write_config(directory, config):
 def test_config_json_beyond_limits_is_refused_before_allocation(
     tmp_path, never_built, change, match
 ):
-    path = _write_config(tmp_path / "m", {**VIDEO_CONFIG, **change})
+    path = write_config(tmp_path / "m", {**VIDEO_CONFIG, **change})
     start = time.perf_counter()
     with pytest.raises(model_io.ModelConfigError, match=f"^{path / 'config.json'}: {match}"):
         load_model(path)
@@ -399,7 +369,7 @@ def test_a_model_larger_than_memory_is_refused_with_its_estimate(tmp_path, monke
     image = {**config, "model_type": "diffusion_rl.flow_dit"}
     image.pop("num_frames")
     assert count == model_io.estimate_parameters(image) + 4 * p * p * d + f * d
-    path = _write_config(tmp_path / "big", config)
+    path = write_config(tmp_path / "big", config)
     with monkeypatch.context() as patched:
         patched.setattr(VideoDiT, "__init__", None)  # building it would be a TypeError
         with pytest.raises(model_io.ModelTooLargeError, match=rf"{count:,} parameters would need"):

@@ -25,6 +25,7 @@ from diffusers import (  # noqa: E402
     WanTransformer3DModel,
 )
 from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents  # noqa: E402
+from flow_toy import one_thread  # noqa: E402, F401 (fixture: one CPU thread)
 from PIL import Image  # noqa: E402
 
 from diffusion_rl.advantages import group_advantages  # noqa: E402
@@ -48,15 +49,6 @@ from diffusion_rl.train.roles import PolicyRoles  # noqa: E402
 
 PROMPTS = ["a red cat", "two dogs 12"]
 SETTINGS = {"height": 16, "width": 16, "num_frames": 5}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny convolutions run ~50x slower on 2 threads when other processes load the CPUs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

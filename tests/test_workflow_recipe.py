@@ -10,6 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 import yaml
+from flow_toy import one_thread, perturbed  # noqa: F401 (fixture: one CPU thread)
 
 from diffusion_rl import cli
 from diffusion_rl.config import ConfigError, FlowSFTRecipeConfig, WorkflowRLRecipeConfig
@@ -29,29 +30,14 @@ TINY = {"patch_size": 4, "d_model": 32, "n_layers": 1, "n_heads": 2}
 SAMPLER = {"num_steps": 3, "shift": 1.0, "guidance_scale": 1.0}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _perturbed(model):
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
-
-
 @pytest.fixture(scope="module")
 def stage_models(tmp_path_factory):
     """Tiny untrained stage models on disk: the image FlowDiT and the video VideoDiT."""
     root = tmp_path_factory.mktemp("stages")
     torch.manual_seed(0)
     task = MotionTask()
-    image = _perturbed(FlowDiT(FlowDiTConfig(image_size=16, vocabulary=VOCABULARY, **TINY)))
-    video = _perturbed(
+    image = perturbed(FlowDiT(FlowDiTConfig(image_size=16, vocabulary=VOCABULARY, **TINY)))
+    video = perturbed(
         VideoDiT(VideoDiTConfig(image_size=16, num_frames=4, vocabulary=MOTION_VOCABULARY, **TINY))
     )
     save_model(root / "image", image, {"task": task.image_task().info()})
@@ -186,6 +172,9 @@ def test_config_errors_name_the_stage(stage_models, tmp_path):
         run_workflow_rl(_rl_config("text-to-image-to-video", tmp_path / "c"), echo=print)
     with pytest.raises(ValueError, match="mode: rollouts need SDE steps"):
         _rl_config(path, tmp_path / "d", stages={"video": {"sampler": {"mode": "ode"}}})
+    window = {"video": {"sampler": {"sde_window": [0, 9]}}}
+    with pytest.raises(ConfigError, match=r"stages.video.sampler.*sde_window: expected 0 <= start"):
+        run_workflow_rl(_rl_config(path, tmp_path / "f", stages=window), echo=print)
     with pytest.raises(ValueError, match="unknown sampler setting 'num_step'"):
         _rl_config(path, tmp_path / "e", stages={"video": {"sampler": {"num_step": 3}}})
 
@@ -288,3 +277,16 @@ def test_quickstart_workflow_runs_the_chain(tmp_path, capsys):
         ValueError, match="keys must start with image_sft., video_sft., workflow_rl."
     ):
         run_quickstart_workflow(str(tmp_path / "bad"), overrides=["sft.steps=3"])
+
+
+def test_the_shipped_config_documents_the_defaults():
+    """configs/workflow_rl.yaml holds every key at its default (each stage's section at the
+    stage defaults)."""
+    from pathlib import Path
+
+    from diffusion_rl.config import StageTrainSection, load_config
+
+    path = Path(__file__).parents[1] / "configs" / "workflow_rl.yaml"
+    shipped = load_config(path, WorkflowRLRecipeConfig)
+    assert shipped.stages == {"image": StageTrainSection(), "video": StageTrainSection()}
+    assert shipped.model_copy(update={"stages": {}}) == WorkflowRLRecipeConfig()

@@ -16,6 +16,7 @@ pytest.importorskip("peft")
 pytest.importorskip("ftfy")
 
 import torch  # noqa: E402
+from flow_toy import one_thread, perturbed  # noqa: E402, F401 (fixture: one CPU thread)
 
 from diffusion_rl.advantages import group_advantages  # noqa: E402
 from diffusion_rl.models.diffusers_adapters import WanImageToVideoAdapter  # noqa: E402
@@ -39,15 +40,6 @@ OPTIMS = {"image": OptimConfig(lr=3e-3), "video": OptimConfig(lr=1e-3, grad_clip
 GROUP, FANOUT = 2, 2  # per prompt: G images, K videos per image
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny convolutions run ~50x slower on 2 threads when other processes load the CPUs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _models():
     """The tiny Wan I2V adapter and a FlowDiT making images of the adapter's first-frame
     shape, perturbed away from its zero-initialised output so its samples are not flat."""
@@ -60,10 +52,7 @@ def _models():
             image_size=height, patch_size=4, d_model=32, n_layers=1, n_heads=2, vocabulary=WORDS
         )
     )
-    with torch.no_grad():
-        for p in image.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return image.eval(), video
+    return perturbed(image).eval(), video
 
 
 def _spec():

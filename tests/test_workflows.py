@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from flow_toy import one_thread, perturbed  # noqa: F401 (fixture: one CPU thread)
 
 from diffusion_rl.models.dit import FlowDiT, FlowDiTConfig
 from diffusion_rl.models.io import save_model
@@ -25,24 +26,12 @@ WORDS = ("a", "red", "blue", "circle", "square", "moving", "left", "right")
 SDE = FlowSamplerConfig(num_steps=4, mode="sde", guidance_scale=2.0, shift=1.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _models():
     torch.manual_seed(0)
     small = {"image_size": 8, "patch_size": 4, "d_model": 32, "n_layers": 1, "n_heads": 2}
     image = FlowDiT(FlowDiTConfig(**small, vocabulary=WORDS))
     video = VideoDiT(VideoDiTConfig(**small, vocabulary=WORDS, num_frames=3))
-    for model in (image, video):  # away from the zero-initialised output: non-trivial samples
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-    return image.eval(), video.eval()
+    return perturbed(image).eval(), perturbed(video).eval()
 
 
 def _spec(fanout=1, video_sampler=SDE):

@@ -8,6 +8,8 @@ multi-stage workflow's final videos on its task (and its first stage's images).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,40 @@ from .sampling.flow import FlowSamplerConfig, sample_flow
 from .sampling.token import TokenSamplerConfig, sample_tokens
 from .tasks import ArithmeticTask
 from .tasks.geneval import GenEvalTask, attribute_accuracy
+
+
+@contextmanager
+def eval_mode(*models) -> Iterator[None]:
+    """Every model (anything with ``eval`` / ``train``; others are left alone) in eval mode
+    for the block; on exit, even by an error, those that were training train again and the
+    others stay as they were."""
+    modes = [getattr(model, "training", False) for model in models]
+    for model in models:
+        if hasattr(model, "eval"):
+            model.eval()
+    try:
+        yield
+    finally:
+        for model, training in zip(models, modes):
+            if training:
+                model.train()
+
+
+def _prompt_samples(task, split: str, samples_per_prompt: int, seed: int):
+    """``(examples, seeds)``: every prompt of ``split`` ``samples_per_prompt`` times,
+    sample-major (all prompts once, then again, ...), sample ``i`` with seed ``seed + i``."""
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt: expected >= 1, got {samples_per_prompt}")
+    examples = [e for _ in range(samples_per_prompt) for e in task.prompts(split)]
+    if not examples:
+        raise ValueError(f"split {split!r} has no prompts (heldout_fraction is 0?)")
+    return examples, [seed + i for i in range(len(examples))]
+
+
+def _batches(total: int, batch_size: int) -> Iterator[slice]:
+    """The row slices ``[lo, lo + batch_size)`` covering ``range(total)`` in order."""
+    for lo in range(0, total, batch_size):
+        yield slice(lo, lo + batch_size)
 
 
 @dataclass(frozen=True)
@@ -45,13 +81,10 @@ def evaluate_task(
     num_samples_shown: int = 8,
 ) -> EvalResult:
     """Accuracy of the verifier on ``num_examples`` held-out problems (seeds ``seed + i``)."""
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"):
-        model.eval()
     tokenizer = task.tokenizer
     sampler = sampler.model_copy(update={"generation_length": task.completion_length})
     correct, samples = 0.0, []
-    try:
+    with eval_mode(model):
         for start in range(0, num_examples, batch_size):
             indices = range(start, min(num_examples, start + batch_size))
             examples = task.examples(indices, split)
@@ -77,9 +110,6 @@ def evaluate_task(
                             "correct": bool(reward),
                         }
                     )
-    finally:
-        if was_training:
-            model.train()
     return EvalResult(accuracy=correct / num_examples, num_examples=num_examples, samples=samples)
 
 
@@ -152,25 +182,14 @@ def evaluate_images(
     across training). ``sampler`` is used with ``mode="ode"`` and without group noise sharing
     whatever its settings (a rollout sampler serves as is).
     """
-    if samples_per_prompt < 1:
-        raise ValueError(f"samples_per_prompt: expected >= 1, got {samples_per_prompt}")
-    examples = [e for _ in range(samples_per_prompt) for e in task.prompts(split)]
-    if not examples:
-        raise ValueError(f"split {split!r} has no prompts (heldout_fraction is 0?)")
+    examples, seeds = _prompt_samples(task, split, samples_per_prompt, seed)
     sampler = sampler.model_copy(update={"mode": "ode", "share_group_noise": False})
-    seeds = [seed + i for i in range(len(examples))]
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"):
-        model.eval()
-    try:
-        chunks = []
-        for lo in range(0, len(examples), batch_size):
-            prompts = [e.prompt for e in examples[lo : lo + batch_size]]
-            sample = sample_flow(model, prompts, sampler, seeds=seeds[lo : lo + batch_size])
+    chunks = []
+    with eval_mode(model):
+        for rows in _batches(len(examples), batch_size):
+            prompts = [e.prompt for e in examples[rows]]
+            sample = sample_flow(model, prompts, sampler, seeds=seeds[rows])
             chunks.append(sample.images.float().cpu())
-    finally:
-        if was_training:
-            model.train()
     images = torch.cat(chunks)
     results = task.verify(images, examples)
     attributes = attribute_accuracy(results)
@@ -239,33 +258,14 @@ def evaluate_workflow(
     task and the first stage's images with the task's image verifier. Fixed seeds: the same
     clips at every evaluation for the same weights."""
     task = workflow.task
-    if samples_per_prompt < 1:
-        raise ValueError(f"samples_per_prompt: expected >= 1, got {samples_per_prompt}")
-    examples = [e for _ in range(samples_per_prompt) for e in task.prompts(split)]
-    if not examples:
-        raise ValueError(f"split {split!r} has no prompts (heldout_fraction is 0?)")
-    seeds = [seed + i for i in range(len(examples))]
+    examples, seeds = _prompt_samples(task, split, samples_per_prompt, seed)
     fanout = {stage.name: 1 for stage in workflow.spec.stages[1:]}
-    models = list(workflow.models.values())
-    modes = [getattr(m, "training", False) for m in models]
-    for m in models:
-        if hasattr(m, "eval"):
-            m.eval()
-    try:
-        clips, images = [], []
-        for lo in range(0, len(examples), batch_size):
-            run = workflow.run(
-                examples[lo : lo + batch_size],
-                seeds[lo : lo + batch_size],
-                samplers=samplers,
-                fanout=fanout,
-            )
+    clips, images = [], []
+    with eval_mode(*workflow.models.values()):
+        for rows in _batches(len(examples), batch_size):
+            run = workflow.run(examples[rows], seeds[rows], samplers=samplers, fanout=fanout)
             clips.append(run.final.artefact.cpu())
             images.append(next(iter(run.stages.values())).artefact.cpu())
-    finally:
-        for m, mode in zip(models, modes):
-            if mode:
-                m.train()
     clips, images = torch.cat(clips), torch.cat(images)
     image_results = task.image_task().verify(images, [e.image_prompt for e in examples])
     image_attributes = attribute_accuracy(image_results)
@@ -294,21 +294,12 @@ def evaluate_videos(
     times (sample-major; clip ``i`` from seed ``seed + i``), conditioned on the *rendered*
     first frame of each prompt (``task.render_clip(example, seed + i)[0]``) with the serving
     ODE sampler; every clip verified."""
-    if samples_per_prompt < 1:
-        raise ValueError(f"samples_per_prompt: expected >= 1, got {samples_per_prompt}")
-    examples = [e for _ in range(samples_per_prompt) for e in task.prompts(split)]
-    if not examples:
-        raise ValueError(f"split {split!r} has no prompts (heldout_fraction is 0?)")
+    examples, seeds = _prompt_samples(task, split, samples_per_prompt, seed)
     sampler = sampler.model_copy(update={"mode": "ode", "share_group_noise": False})
-    seeds = [seed + i for i in range(len(examples))]
     images = torch.stack([task.render_clip(e, s)[0] for e, s in zip(examples, seeds)])
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"):
-        model.eval()
-    try:
-        chunks = []
-        for lo in range(0, len(examples), batch_size):
-            rows = slice(lo, lo + batch_size)
+    chunks = []
+    with eval_mode(model):
+        for rows in _batches(len(examples), batch_size):
             prompts = [e.prompt for e in examples[rows]]
             first = images[rows]
             uncond = model.empty_conditioning(first) if sampler.guidance_scale != 1.0 else None
@@ -321,9 +312,6 @@ def evaluate_videos(
                 uncond=uncond,
             )
             chunks.append(sample.images.float().cpu())
-    finally:
-        if was_training:
-            model.train()
     return _clip_result(task, examples, seeds, torch.cat(chunks), images)
 
 
@@ -348,6 +336,7 @@ def _clip_result(task, examples, seeds, clips, images, **extra) -> ClipEvalResul
 
 __all__ = [
     "EvalResult",
+    "eval_mode",
     "ImageEvalResult",
     "ClipEvalResult",
     "evaluate_videos",

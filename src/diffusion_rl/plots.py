@@ -41,6 +41,43 @@ def plot_curves(
     return png_path
 
 
+def plot_curve_groups(
+    metrics_path: str | Path,
+    png_path: str | Path,
+    groups: dict[str, list[str]],
+    title: str = "",
+) -> Path:
+    """One panel per group (its title → the keys drawn in it, one line each, labelled by the
+    key's last part); keys absent from the log are skipped, and so is a group with none."""
+    records = read_metrics(metrics_path)
+    present = {
+        name: [k for k in keys if any(r.get(k) is not None for r in records)]
+        for name, keys in groups.items()
+    }
+    present = {name: keys for name, keys in present.items() if keys}
+    if not present:
+        raise ValueError(f"{metrics_path}: none of {sorted(groups)} was logged")
+    fig, axes = plt.subplots(1, len(present), figsize=(4.6 * len(present), 3.4), squeeze=False)
+    for ax, (name, keys) in zip(axes[0], present.items()):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            steps, values = zip(*points)
+            marker = "o" if len(points) < 30 else None
+            ax.plot(steps, values, marker=marker, linewidth=1.5, label=key.rsplit("/", 1)[-1])
+        ax.set_xlabel("step")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
 def save_image_grid(
     images,
     path: str | Path,

@@ -238,8 +238,18 @@ def run_quickstart_image(
     return summary
 
 
-QUICKSTART_WORKFLOW_SFT_STEPS = (800, 800)  # image, video
-QUICKSTART_WORKFLOW_RL_STEPS = 30
+QUICKSTART_WORKFLOW_SFT_STEPS = (1000, 1000)  # image, video
+QUICKSTART_WORKFLOW_RL_STEPS = 40
+# Workflow RL (benchmarks/workflow_credit.py uses the same): 4 prompts x 4 images x 2 videos
+# per step, SDE (and training) on the first 5 of the 10 steps of each stage.
+QUICKSTART_WORKFLOW_RL = {
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "stages": {
+        "image": {"sampler": {"sde_window": [0, 5]}},
+        "video": {"sampler": {"sde_window": [0, 5]}},
+    },
+}
 WORKFLOW_STAGES = ("image_sft", "video_sft", "workflow_rl")
 # The serving samplers of the workflow file: 10 ODE steps without guidance (rollouts then
 # need no unconditional branch, half the cost of a guided forward).
@@ -347,6 +357,7 @@ def run_quickstart_workflow(
     rl = _stage_config(
         WorkflowRLRecipeConfig,
         {
+            **QUICKSTART_WORKFLOW_RL,
             "output_dir": str(out / "workflow_rl"),
             "steps": rl_steps or QUICKSTART_WORKFLOW_RL_STEPS,
             "eval_every": rl_steps or QUICKSTART_WORKFLOW_RL_STEPS,

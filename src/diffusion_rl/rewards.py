@@ -648,27 +648,40 @@ def get_reward(name: str, **options: Any) -> RewardFunction:
 # unchanged (it only needs ``len(images) == len(examples)``).
 
 
-def _check_images(owner: str, images: Any, examples: Sequence[Any] | None = None) -> torch.Tensor:
-    """``images`` as float32 ``[B, 3, H, W]`` on CPU, or a clear error naming ``owner``."""
-    if not isinstance(images, torch.Tensor):
+# Per artefact kind: the argument's name, its layout (and a note on it), its rank and the index
+# of its RGB axis.
+_PIXEL_LAYOUTS = {
+    "image": ("images", "[B, 3, H, W]", "", 4, 1),
+    "video": ("clips", "[B, F, 3, H, W]", " (frame-major)", 5, 2),
+}
+
+
+def _check_pixels(
+    owner: str, pixels: Any, examples: Sequence[Any] | None, kind: str
+) -> torch.Tensor:
+    """``pixels`` (``kind`` ``"image"`` or ``"video"``, see ``_PIXEL_LAYOUTS``) as float32 on
+    CPU, values finite in ``[0, 1]``, one row per example when ``examples`` is given; or a
+    TypeError / ValueError naming ``owner``."""
+    noun, layout, note, rank, rgb = _PIXEL_LAYOUTS[kind]
+    if not isinstance(pixels, torch.Tensor):
         raise TypeError(
-            f"{owner}: expected images as a torch.Tensor [B, 3, H, W] first and the prompts "
-            f"second, got {type(images).__name__} first"
+            f"{owner}: expected {noun} as a torch.Tensor {layout} first and the prompts second, "
+            f"got {type(pixels).__name__} first"
         )
-    if images.dim() != 4 or images.shape[1] != 3 or not images.is_floating_point():
+    if pixels.dim() != rank or pixels.shape[rgb] != 3 or not pixels.is_floating_point():
         raise ValueError(
-            f"{owner}: expected a float image tensor [B, 3, H, W], got shape "
-            f"{tuple(images.shape)} dtype {images.dtype}"
+            f"{owner}: expected a float {kind} tensor {layout}{note}, got shape "
+            f"{tuple(pixels.shape)} dtype {pixels.dtype}"
         )
-    images = images.detach().to(device="cpu", dtype=torch.float32)
-    if not bool(torch.isfinite(images).all()) or images.min() < 0 or images.max() > 1:
+    pixels = pixels.detach().to(device="cpu", dtype=torch.float32)
+    if not bool(torch.isfinite(pixels).all()) or pixels.min() < 0 or pixels.max() > 1:
         raise ValueError(
-            f"{owner}: image values must be finite and in [0, 1] (pixels, e.g. "
-            "model.decode(latents)), got a tensor outside that range"
+            f"{owner}: pixel values must be finite and in [0, 1] (e.g. model.decode(latents)), "
+            "got a tensor outside that range"
         )
     if examples is not None:
-        _check_batch(owner, images, examples)
-    return images
+        _check_batch(owner, pixels, examples)
+    return pixels
 
 
 class GenEvalReward:
@@ -697,7 +710,7 @@ class GenEvalReward:
     def __call__(self, images: torch.Tensor, examples: Sequence[Any]) -> torch.Tensor:
         from .tasks.geneval import analyze_images, check_objects, to_example
 
-        images = _check_images(self.name, images, examples)
+        images = _check_pixels(self.name, images, examples, "image")
         parsed = [to_example(example, index) for index, example in enumerate(examples)]
         values = []
         for example, objects in zip(parsed, analyze_images(images, self.min_area)):
@@ -757,7 +770,7 @@ class CompressibilityReward:
         return buffer.tell()
 
     def __call__(self, images: torch.Tensor, examples: Sequence[Any] | None = None) -> torch.Tensor:
-        images = _check_images(self.name, images, examples)
+        images = _check_pixels(self.name, images, examples, "image")
         sizes = torch.tensor([self.encoded_bytes(image) for image in images], dtype=torch.float64)
         if self.unit == "kb":
             values = -sizes / 1000.0
@@ -775,29 +788,6 @@ __all__ += ["CompressibilityReward", "GenEvalReward"]
 # Video rewards take ``(clips [B, F, 3, H, W] in [0, 1], prompts)`` (frame-major pixels, e.g.
 # an image-to-video model's ``decode(latents)``) and return float32 ``[B]``, like the image
 # rewards; they combine with :class:`CombinedReward` unchanged.
-
-
-def _check_videos(owner: str, clips: Any, examples: Sequence[Any] | None = None) -> torch.Tensor:
-    """``clips`` as float32 ``[B, F, 3, H, W]`` on CPU, or a clear error naming ``owner``."""
-    if not isinstance(clips, torch.Tensor):
-        raise TypeError(
-            f"{owner}: expected clips as a torch.Tensor [B, F, 3, H, W] first and the prompts "
-            f"second, got {type(clips).__name__} first"
-        )
-    if clips.dim() != 5 or clips.shape[2] != 3 or not clips.is_floating_point():
-        raise ValueError(
-            f"{owner}: expected a float video tensor [B, F, 3, H, W] (frame-major), got shape "
-            f"{tuple(clips.shape)} dtype {clips.dtype}"
-        )
-    clips = clips.detach().to(device="cpu", dtype=torch.float32)
-    if not bool(torch.isfinite(clips).all()) or clips.min() < 0 or clips.max() > 1:
-        raise ValueError(
-            f"{owner}: pixel values must be finite and in [0, 1] (e.g. model.decode(latents)), "
-            "got a tensor outside that range"
-        )
-    if examples is not None:
-        _check_batch(owner, clips, examples)
-    return clips
 
 
 class MotionReward:
@@ -853,7 +843,7 @@ class MotionReward:
     def __call__(self, clips: torch.Tensor, examples: Sequence[Any]) -> torch.Tensor:
         from .tasks.motion import clip_scores, verify_clips
 
-        clips = _check_videos(self.name, clips, examples)
+        clips = _check_pixels(self.name, clips, examples, "video")
         results = verify_clips(
             clips,
             examples,

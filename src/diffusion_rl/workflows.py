@@ -52,6 +52,7 @@ __all__ = [
     "WorkflowError",
     "WorkflowRun",
     "WorkflowSpec",
+    "load_stage_model",
     "load_workflow_spec",
     "stage_seed",
 ]
@@ -65,8 +66,10 @@ class WorkflowError(ValueError):
 
 
 class StageSpec(BaseModel):
-    """One stage: ``name`` (lower-case identifier), ``model`` (a model directory; relative
-    paths are resolved against the workflow file), ``input`` (the earlier stage whose
+    """One stage: ``name`` (lower-case identifier), ``model`` (a model directory: a built-in
+    model's, or a local diffusers pipeline directory such as Wan 2.1 image-to-video, loaded
+    with ``model_options`` e.g. ``{height: 480, width: 832, num_frames: 81}``; relative paths
+    are resolved against the workflow file), ``input`` (the earlier stage whose
     artefact conditions this one; None for a text-conditioned first stage), ``prompt`` (the
     task-example field this stage is prompted with), ``fanout`` (samples per input row, for
     tree rollouts and serving several videos per image) and ``sampler`` settings."""
@@ -75,6 +78,7 @@ class StageSpec(BaseModel):
 
     name: str
     model: str
+    model_options: dict[str, Any] = {}
     input: str | None = None
     prompt: str = "prompt"
     fanout: int = Field(default=1, ge=1, le=64)
@@ -168,6 +172,37 @@ def load_workflow_spec(source: str | Path) -> tuple[WorkflowSpec, Path]:
         for stage in spec.stages
     ]
     return spec.model_copy(update={"stages": stages}), path
+
+
+def load_stage_model(stage: StageSpec):
+    """The velocity model of ``stage``: a diffusers pipeline directory (``model_index.json``)
+    through its adapter with ``model_options``, else a built-in model directory
+    (:func:`~diffusion_rl.models.io.load_model`, which takes no options). Raises
+    :class:`WorkflowError` naming the stage."""
+    path = Path(stage.model)
+    try:
+        if (path / "model_index.json").is_file():
+            from .models.diffusers_adapters import adapter_for_directory
+
+            return adapter_for_directory(path).from_pretrained(path, **stage.model_options)
+        if stage.model_options:
+            raise WorkflowError(
+                f"stage {stage.name!r}: model_options apply to diffusers pipeline directories; "
+                f"{path} is a built-in model directory (remove model_options)"
+            )
+        from .models.io import load_model
+
+        loaded = load_model(path)
+    except (FileNotFoundError, TypeError, ValueError) as error:
+        if isinstance(error, WorkflowError):
+            raise
+        raise WorkflowError(f"stage {stage.name!r}: {error}") from None
+    if loaded.kind != "flow":
+        raise WorkflowError(
+            f"stage {stage.name!r}: {path} holds a {loaded.kind} model; workflow stages are flow "
+            "models"
+        )
+    return loaded.model
 
 
 def stage_seed(parent_seed: int, stage_index: int, member: int) -> int:

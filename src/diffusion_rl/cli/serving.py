@@ -336,10 +336,9 @@ def cmd_generate_workflow(args) -> int:
     import safetensors.torch
     import torch
 
-    from ..models.io import load_model
     from ..plots import save_video_gif, save_video_strip
     from ..tasks.motion import MotionTask
-    from ..workflows import Workflow, WorkflowError, load_workflow_spec
+    from ..workflows import Workflow, WorkflowError, load_stage_model, load_workflow_spec
 
     for dest, flag in {**TOKEN_ONLY, "num_steps": "--num-steps", "guidance": "--guidance"}.items():
         if getattr(args, dest, None) is not None:
@@ -350,12 +349,7 @@ def cmd_generate_workflow(args) -> int:
     _check_output(args, WORKFLOW_FORMATS, "a workflow's clips are written as")
     try:
         spec, path = load_workflow_spec(args.workflow)
-        models = {}
-        for stage in spec.stages:
-            try:
-                models[stage.name] = load_model(stage.model).model
-            except (FileNotFoundError, ValueError) as error:
-                raise WorkflowError(f"stage {stage.name!r}: {error}") from None
+        models = {stage.name: load_stage_model(stage) for stage in spec.stages}
         task = MotionTask.from_info(spec.task) if spec.task else None
         workflow = Workflow(spec, models, task=task)
         samples = args.samples or 1

@@ -217,11 +217,22 @@ class DiTBlock(nn.Module):
 
 
 class FlowDiT(nn.Module):
-    """A prompt-conditioned velocity network on pixel latents; see the module docstring."""
+    """A prompt-conditioned velocity network on pixel latents; see the module docstring.
 
+    A subclass (e.g. :class:`~diffusion_rl.models.video_dit.VideoDiT`) sets ``model_type``
+    (recorded in ``config.json``) and ``config_class`` to reuse :meth:`save_pretrained` /
+    :meth:`from_pretrained`, ``conditioning_keys`` / ``conditioning_fix`` for the input checks,
+    and reuses :meth:`_transformer` (prompt tokens, σ conditioning, blocks, output projection)
+    around its own patching.
+    """
+
+    model_type = MODEL_TYPE
     config_class = FlowDiTConfig
     size_limits = SIZE_LIMITS
     parameter_count = staticmethod(parameter_count)
+    # The keys ``forward`` needs in ``cond`` and what an error about them says to do.
+    conditioning_keys: tuple[str, ...] = ("prompt_ids", "prompt_mask")
+    conditioning_fix = "build it with encode_prompts / empty_condition"
 
     def __init__(self, config: FlowDiTConfig) -> None:
         super().__init__()
@@ -327,12 +338,28 @@ class FlowDiT(nn.Module):
         return images * 2 - 1
 
     # ------------------------------------------------------------------ forward
-    def _check_inputs(self, latents, sigma, cond) -> torch.Tensor:
+    def _check_latents(self, latents: torch.Tensor) -> None:
         if latents.dim() != 4 or tuple(latents.shape[1:]) != self.latent_shape:
             raise ValueError(
                 f"latents: expected [B, {', '.join(map(str, self.latent_shape))}], got "
                 f"{tuple(latents.shape)}"
             )
+
+    def _check_cond(self, cond: Conditioning, batch_size: int) -> None:
+        missing = set(self.conditioning_keys) - set(cond)
+        if missing:
+            raise ValueError(f"cond: missing {sorted(missing)}; {self.conditioning_fix}")
+        ids, mask = cond["prompt_ids"], cond["prompt_mask"]
+        b, limit = batch_size, self.config.max_prompt_tokens
+        if ids.dim() != 2 or ids.shape[0] != b or ids.shape[1] > limit or mask.shape != ids.shape:
+            raise ValueError(
+                f"cond: prompt_ids and prompt_mask must be [{b}, T<={limit}], got "
+                f"{tuple(ids.shape)} and {tuple(mask.shape)}"
+            )
+
+    def _check_inputs(self, latents, sigma, cond) -> torch.Tensor:
+        """Checks latents, then σ, then ``cond``; returns σ as a ``[B]`` tensor."""
+        self._check_latents(latents)
         b = latents.shape[0]
         sigma = torch.as_tensor(sigma, device=latents.device)
         if sigma.dim() == 0:
@@ -341,19 +368,31 @@ class FlowDiT(nn.Module):
             raise ValueError(
                 f"sigma: expected shape [{b}] (one σ per row), got {tuple(sigma.shape)}"
             )
-        missing = {"prompt_ids", "prompt_mask"} - set(cond)
-        if missing:
-            raise ValueError(
-                f"cond: missing {sorted(missing)}; build it with encode_prompts / empty_condition"
-            )
-        ids, mask = cond["prompt_ids"], cond["prompt_mask"]
-        limit = self.config.max_prompt_tokens
-        if ids.dim() != 2 or ids.shape[0] != b or ids.shape[1] > limit or mask.shape != ids.shape:
-            raise ValueError(
-                f"cond: prompt_ids and prompt_mask must be [{b}, T<={limit}], got "
-                f"{tuple(ids.shape)} and {tuple(mask.shape)}"
-            )
+        self._check_cond(cond, b)
         return sigma
+
+    def _transformer(
+        self, patches: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        """The patch tokens' outputs ``[B, N, C p²]`` (model dtype) for embedded patch tokens
+        ``patches`` ``[B, N, D]`` (positions added): the prompt's word tokens are prepended
+        (padding keys masked), every block is modulated by ``c = σ MLP + pooled prompt``."""
+        dtype = self.patch_embed.weight.dtype
+        ids, mask = cond["prompt_ids"], cond["prompt_mask"].bool()
+        words = self.word_embed(ids) * mask[..., None]
+        tokens = words + self.prompt_pos[: ids.shape[1]]
+        pooled = words.sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
+        c = self.sigma_mlp(sigma_features(sigma, self.config.sigma_features).to(dtype))
+        c = c + self.prompt_pool(pooled)
+
+        x = torch.cat([tokens, patches], dim=1)
+        keys = torch.cat([mask, mask.new_ones(patches.shape[:2])], dim=1)
+        zero = torch.zeros((), dtype=dtype, device=x.device)
+        bias = torch.where(keys, zero, torch.finfo(dtype).min)[:, None, None, :]
+        for block in self.blocks:
+            x = block(x, c, bias)
+        shift, scale = self.final_ada(c).chunk(2, dim=-1)
+        return self.out(_modulate(self.final_norm(x[:, ids.shape[1] :]), shift, scale))
 
     def forward(
         self, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
@@ -365,22 +404,7 @@ class FlowDiT(nn.Module):
         b, ch, p, g = latents.shape[0], self.config.channels, self.config.patch_size, self.grid
         patches = latents.to(dtype).reshape(b, ch, g, p, g, p).permute(0, 2, 4, 1, 3, 5)
         patches = self.patch_embed(patches.reshape(b, g * g, ch * p * p)) + self.patch_pos
-
-        ids, mask = cond["prompt_ids"], cond["prompt_mask"].bool()
-        words = self.word_embed(ids) * mask[..., None]
-        tokens = words + self.prompt_pos[: ids.shape[1]]
-        pooled = words.sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
-        c = self.sigma_mlp(sigma_features(sigma, self.config.sigma_features).to(dtype))
-        c = c + self.prompt_pool(pooled)
-
-        x = torch.cat([tokens, patches], dim=1)
-        keys = torch.cat([mask, mask.new_ones(b, g * g)], dim=1)
-        zero = torch.zeros((), dtype=dtype, device=x.device)
-        bias = torch.where(keys, zero, torch.finfo(dtype).min)[:, None, None, :]
-        for block in self.blocks:
-            x = block(x, c, bias)
-        shift, scale = self.final_ada(c).chunk(2, dim=-1)
-        out = self.out(_modulate(self.final_norm(x[:, ids.shape[1] :]), shift, scale))
+        out = self._transformer(patches, sigma, cond)
         out = out.view(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5)
         return out.reshape(b, *self.latent_shape).to(latents.dtype)
 
@@ -391,7 +415,7 @@ class FlowDiT(nn.Module):
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        config = {"model_type": MODEL_TYPE, **self.config.model_dump(mode="json")}
+        config = {"model_type": self.model_type, **self.config.model_dump(mode="json")}
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_model(self, str(staging / "model.safetensors"))
         retired = directory.with_name(f".{directory.name}.old")
@@ -404,19 +428,21 @@ class FlowDiT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> FlowDiT:
-        """The model saved by :meth:`save_pretrained` in ``directory`` (in eval mode)."""
+        """The model (of this class, in eval mode) saved by :meth:`save_pretrained` in
+        ``directory``; its ``config.json`` must name ``cls.model_type``."""
         directory = Path(directory)
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(
-                f"model directory {directory}: no config.json (is it a saved FlowDiT?)"
+                f"model directory {directory}: no config.json (is it a saved {cls.__name__}?)"
             )
         config = json.loads(config_path.read_text())
         model_type = config.pop("model_type", None)
-        if model_type != MODEL_TYPE:
+        if model_type != cls.model_type:
             raise ValueError(
-                f"{config_path}: model_type must be {MODEL_TYPE!r}, got {model_type!r}"
+                f"{config_path}: model_type must be {cls.model_type!r}, got {model_type!r} (load "
+                "any model directory with diffusion_rl.models.load_model)"
             )
-        model = cls(FlowDiTConfig(**config))
+        model = cls(cls.config_class(**config))
         load_model(model, str(directory / "model.safetensors"))
         return model.eval()

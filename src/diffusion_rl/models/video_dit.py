@@ -31,20 +31,14 @@ deterministic; ``save_pretrained`` / ``from_pretrained`` round-trip bitwise.
 
 from __future__ import annotations
 
-import json
 import numbers
-import shutil
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from pydantic import Field, field_validator, model_validator
-from safetensors.torch import load_model as load_safetensors
-from safetensors.torch import save_model as save_safetensors
 from torch import nn
 
-from .dit import SIZE_LIMITS, FlowDiT, FlowDiTConfig, _modulate, sigma_features
+from .dit import SIZE_LIMITS, FlowDiT, FlowDiTConfig
 from .dit import parameter_count as image_parameter_count
 from .protocol import Conditioning
 
@@ -125,9 +119,12 @@ def _check_pixels(name: str, pixels: torch.Tensor, shape: tuple[int, ...], layou
 class VideoDiT(FlowDiT):
     """An image-to-video velocity network on pixel clips; see the module docstring."""
 
+    model_type = MODEL_TYPE
     config_class = VideoDiTConfig
     size_limits = VIDEO_SIZE_LIMITS
     parameter_count = staticmethod(parameter_count)
+    conditioning_keys = CONDITIONING_KEYS
+    conditioning_fix = _FIX_COND
 
     def __init__(self, config: VideoDiTConfig) -> None:
         if not isinstance(config, VideoDiTConfig):
@@ -223,34 +220,16 @@ class VideoDiT(FlowDiT):
                 f"{tuple(latents.shape)}"
             )
 
-    def _check_inputs(self, latents, sigma, cond) -> torch.Tensor:
-        self._check_latents(latents)
-        b = latents.shape[0]
-        sigma = torch.as_tensor(sigma, device=latents.device)
-        if sigma.dim() == 0:
-            sigma = sigma.expand(b)
-        if sigma.shape != (b,):
-            raise ValueError(
-                f"sigma: expected shape [{b}] (one σ per row), got {tuple(sigma.shape)}"
-            )
+    def _check_cond(self, cond: Conditioning, batch_size: int) -> None:
         if not isinstance(cond, dict):
             raise TypeError(f"cond: expected a dict of tensors; {_FIX_COND}")
-        missing = set(CONDITIONING_KEYS) - set(cond)
-        if missing:
-            raise ValueError(f"cond: missing {sorted(missing)}; {_FIX_COND}")
-        ids, mask, first = cond["prompt_ids"], cond["prompt_mask"], cond["first_frame"]
-        limit = self.config.max_prompt_tokens
-        if ids.dim() != 2 or ids.shape[0] != b or ids.shape[1] > limit or mask.shape != ids.shape:
-            raise ValueError(
-                f"cond: prompt_ids and prompt_mask must be [{b}, T<={limit}], got "
-                f"{tuple(ids.shape)} and {tuple(mask.shape)}"
-            )
+        super()._check_cond(cond, batch_size)
+        first, b = cond["first_frame"], batch_size
         if tuple(first.shape) != (b, *self.image_shape) or not first.dtype.is_floating_point:
             raise ValueError(
                 f"cond: first_frame must be a float [{b}, {self._dims(self.image_shape)}] "
                 f"latent, got {first.dtype} {tuple(first.shape)}; {_FIX_COND}"
             )
-        return sigma
 
     def _patch_inputs(self, latents: torch.Tensor, first_frame: torch.Tensor) -> torch.Tensor:
         """Per patch token (frame-major, then row-major patches): noisy frame patch ⊕
@@ -277,59 +256,6 @@ class VideoDiT(FlowDiT):
         patches = self._patch_inputs(latents.to(dtype), cond["first_frame"].to(dtype))
         positions = (self.frame_pos[:, None] + self.patch_pos[None]).reshape(frames * g * g, d)
         patches = self.patch_embed(patches) + positions
-
-        ids, mask = cond["prompt_ids"], cond["prompt_mask"].bool()
-        words = self.word_embed(ids) * mask[..., None]
-        tokens = words + self.prompt_pos[: ids.shape[1]]
-        pooled = words.sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
-        c = self.sigma_mlp(sigma_features(sigma, self.config.sigma_features).to(dtype))
-        c = c + self.prompt_pool(pooled)
-
-        x = torch.cat([tokens, patches], dim=1)
-        keys = torch.cat([mask, mask.new_ones(b, patches.shape[1])], dim=1)
-        zero = torch.zeros((), dtype=dtype, device=x.device)
-        bias = torch.where(keys, zero, torch.finfo(dtype).min)[:, None, None, :]
-        for block in self.blocks:
-            x = block(x, c, bias)
-        shift, scale = self.final_ada(c).chunk(2, dim=-1)
-        out = self.out(_modulate(self.final_norm(x[:, ids.shape[1] :]), shift, scale))
+        out = self._transformer(patches, sigma, cond)
         out = out.view(b, frames, g, g, ch, p, p).permute(0, 4, 1, 2, 5, 3, 6)
         return out.reshape(b, *self.latent_shape).to(latents.dtype)
-
-    # ------------------------------------------------------------------ save / load
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``config.json`` (model type, sizes, vocabulary, task) and
-        ``model.safetensors`` into ``directory``, replacing it atomically."""
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        config = {"model_type": MODEL_TYPE, **self.config.model_dump(mode="json")}
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_safetensors(self, str(staging / "model.safetensors"))
-        retired = directory.with_name(f".{directory.name}.old")
-        if directory.exists():
-            shutil.rmtree(retired, ignore_errors=True)
-            directory.rename(retired)
-        staging.rename(directory)
-        shutil.rmtree(retired, ignore_errors=True)
-        return directory
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path) -> VideoDiT:
-        """The model saved by :meth:`save_pretrained` in ``directory`` (in eval mode)."""
-        directory = Path(directory)
-        config_path = directory / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(
-                f"model directory {directory}: no config.json (is it a saved VideoDiT?)"
-            )
-        config = json.loads(config_path.read_text())
-        model_type = config.pop("model_type", None)
-        if model_type != MODEL_TYPE:
-            raise ValueError(
-                f"{config_path}: model_type must be {MODEL_TYPE!r}, got {model_type!r} (load "
-                "any model directory with diffusion_rl.models.load_model)"
-            )
-        model = cls(VideoDiTConfig(**config))
-        load_safetensors(model, str(directory / "model.safetensors"))
-        return model.eval()

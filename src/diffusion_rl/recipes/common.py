@@ -14,12 +14,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelRef, TaskSection
-from ..evaluation import ImageEvalResult, evaluate_images, evaluate_task
+from ..config import ConfigError, FlowModelSection, ModelRef, TaskSection
+from ..evaluation import (
+    ClipEvalResult,
+    ImageEvalResult,
+    evaluate_images,
+    evaluate_task,
+    evaluate_videos,
+)
+from ..models.dit import FlowDiT, FlowDiTConfig
 from ..models.io import LoadedModel, load_model, save_model
-from ..plots import save_image_grid
+from ..models.video_dit import VideoDiT, VideoDiTConfig
+from ..plots import save_image_grid, save_video_gif, save_video_strip
 from ..tasks import get_task
 from ..tasks.geneval import GenEvalTask
+from ..tasks.motion import MotionTask
 from ..train.trainer import LossFn, Trainer
 
 
@@ -129,6 +138,27 @@ def image_task(section, model_info: dict, field: str) -> GenEvalTask:
         raise ConfigError(f"task: {field} records a task this recipe cannot run: {error}") from None
 
 
+def new_flow_model(section: FlowModelSection, task: GenEvalTask | MotionTask) -> FlowDiT:
+    """A fresh built-in model of ``section``'s sizes for ``task`` (it records the task's
+    vocabulary and ``info()``, its image size is the task's): a
+    :class:`~diffusion_rl.models.video_dit.VideoDiT` of the task's ``num_frames`` for the video
+    task (mini-motion), else a :class:`~diffusion_rl.models.dit.FlowDiT`. Draws its initial
+    weights from torch's global RNG (seed it first for reproducible weights)."""
+    sizes = {
+        "image_size": task.config.image_size,
+        "patch_size": section.patch_size,
+        "d_model": section.d_model,
+        "n_layers": section.n_layers,
+        "n_heads": section.n_heads,
+        "mlp_ratio": section.mlp_ratio,
+        "vocabulary": task.vocabulary,
+        "task": task.info(),
+    }
+    if isinstance(task, MotionTask):
+        return VideoDiT(VideoDiTConfig(**sizes, num_frames=task.config.num_frames))
+    return FlowDiT(FlowDiTConfig(**sizes))
+
+
 def check_model_fits_task(model, task: GenEvalTask, field: str) -> None:
     if model.latent_shape != task.image_shape:
         raise ConfigError(
@@ -149,6 +179,35 @@ def evaluate_image_model(model, task, sampler, config, step: int, grid: Path):
     result: ImageEvalResult = evaluate_images(
         model, task, sampler, samples_per_prompt=config.eval_samples_per_prompt, seed=config.seed
     )
+    record, metrics = eval_record(result, step)
+    count = min(config.grid_images, result.num_images)
+    if count:
+        save_image_grid(
+            result.images[:count], grid, nrow=8, captions=result.captions()[:count], upscale=6
+        )
+        record["grid"] = _relative_to(Path(grid), Path(config.output_dir))
+    return record, metrics, result
+
+
+def evaluate_video_model(model, task, sampler, config, step: int, grid: Path):
+    """:func:`evaluate_image_model` for an image-to-video model on its video task
+    (:func:`~diffusion_rl.evaluation.evaluate_videos`): frame strips of the first
+    ``config.grid_images`` clips at ``grid`` and their GIF beside it (``.gif``)."""
+    result: ClipEvalResult = evaluate_videos(
+        model, task, sampler, samples_per_prompt=config.eval_samples_per_prompt, seed=config.seed
+    )
+    record, metrics = eval_record(result, step)
+    count = min(config.grid_images, result.num_clips)
+    if count:
+        save_video_strip(result.clips[:count], grid, captions=result.prompts[:count])
+        save_video_gif(result.clips[:count], Path(grid).with_suffix(".gif"))
+        record["grid"] = _relative_to(Path(grid), Path(config.output_dir))
+    return record, metrics, result
+
+
+def eval_record(result: ImageEvalResult | ClipEvalResult, step: int) -> tuple[dict, dict]:
+    """The history record (step, accuracy, per-attribute accuracy, mean reward) and the
+    metrics (``eval/accuracy``, ``eval/reward_mean``, ``eval/<attribute>``) of an evaluation."""
     record = {
         "step": step,
         "accuracy": result.accuracy,
@@ -157,13 +216,7 @@ def evaluate_image_model(model, task, sampler, config, step: int, grid: Path):
     }
     metrics = {"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}
     metrics.update({f"eval/{k}": v for k, v in result.attributes.items() if k != "overall"})
-    count = min(config.grid_images, result.num_images)
-    if count:
-        save_image_grid(
-            result.images[:count], grid, nrow=8, captions=result.captions()[:count], upscale=6
-        )
-        record["grid"] = _relative_to(Path(grid), Path(config.output_dir))
-    return record, metrics, result
+    return record, metrics
 
 
 def _relative_to(path: Path, root: Path) -> str:

@@ -24,15 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, FlowSFTRecipeConfig
-from ..evaluation import evaluate_videos
-from ..models.dit import FlowDiT, FlowDiTConfig
 from ..models.io import save_model
-from ..models.video_dit import VideoDiT, VideoDiTConfig
 from ..objectives.flow_sft import FlowMatchingSFT, flow_sft_batch
-from ..plots import save_video_gif, save_video_strip
 from ..seeding import noise_keys
 from ..tasks.motion import MotionTask
-from .common import check_model_fits_task, evaluate_image_model, load_ref, trainer_factory
+from .common import (
+    check_model_fits_task,
+    evaluate_image_model,
+    evaluate_video_model,
+    load_ref,
+    new_flow_model,
+    trainer_factory,
+)
 from .run import Recipe, run
 
 
@@ -49,20 +52,7 @@ class FlowSFTRecipe(Recipe):
             self.title = "rectified-flow SFT of image-to-video on mini-motion"
         section = config.model
         if section.path is None:
-            sizes = {
-                "image_size": task.config.image_size,
-                "patch_size": section.patch_size,
-                "d_model": section.d_model,
-                "n_layers": section.n_layers,
-                "n_heads": section.n_heads,
-                "mlp_ratio": section.mlp_ratio,
-                "vocabulary": task.vocabulary,
-                "task": task.info(),
-            }
-            if self.video:
-                self.model = VideoDiT(VideoDiTConfig(**sizes, num_frames=task.config.num_frames))
-            else:
-                self.model = FlowDiT(FlowDiTConfig(**sizes))
+            self.model = new_flow_model(section, task)
         else:
             self.model = load_ref(section, "flow", "model").model
             if self.video:
@@ -117,32 +107,10 @@ class FlowSFTRecipe(Recipe):
     def evaluate(self, tag: str):
         step = self.steps_done()
         grid = self.out / "samples" / f"step_{step:06d}.png"
-        if not self.video:
-            record, metrics, self.final = evaluate_image_model(
-                self.model, self.task, self.config.sampler, self.config, step, grid
-            )
-            return record, metrics
-        cfg = self.config
-        self.final = result = evaluate_videos(
-            self.model,
-            self.task,
-            cfg.sampler,
-            samples_per_prompt=cfg.eval_samples_per_prompt,
-            seed=cfg.seed,
+        evaluate = evaluate_video_model if self.video else evaluate_image_model
+        record, metrics, self.final = evaluate(
+            self.model, self.task, self.config.sampler, self.config, step, grid
         )
-        record = {
-            "step": step,
-            "accuracy": result.accuracy,
-            "attributes": result.attributes,
-            "reward_mean": result.reward_mean,
-        }
-        metrics = {"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}
-        metrics.update({f"eval/{k}": v for k, v in result.attributes.items() if k != "overall"})
-        count = min(cfg.grid_images, result.num_clips)
-        if count:
-            save_video_strip(result.clips[:count], grid, captions=result.prompts[:count])
-            save_video_gif(result.clips[:count], grid.with_suffix(".gif"))
-            record["grid"] = str(grid.relative_to(self.out))
         return record, metrics
 
     def save_model(self, directory) -> None:

@@ -27,20 +27,23 @@ from typing import Any
 
 import torch
 import yaml
+from pydantic import ValidationError
 
 from ..config import ConfigError, WorkflowRLRecipeConfig
 from ..evaluation import evaluate_workflow
-from ..models.io import load_model, save_model
+from ..models.io import save_model
 from ..objectives.flow_grpo import FlowGRPOLoss
-from ..plots import save_video_gif, save_video_strip
+from ..plots import plot_curve_groups, save_video_gif, save_video_strip
 from ..rewards import CombinedReward, get_reward
 from ..rollout import collect_workflow_rollout
+from ..sampling.flow import FlowSamplerConfig
 from ..tasks.motion import MotionTask
 from ..train.learner import LearnerStage, PolicyLearner
 from ..train.plans import FlowPolicyPlan
 from ..train.roles import PolicyRoles, frozen_copy
 from ..train.trainer import OptimConfig, Trainer
-from ..workflows import Workflow, WorkflowError, load_workflow_spec
+from ..workflows import Workflow, WorkflowError, load_stage_model, load_workflow_spec
+from .common import eval_record
 from .run import Recipe, _one_name_per_value, run
 
 WORKFLOW_FILE = "workflow.yaml"
@@ -50,6 +53,7 @@ class WorkflowRLRecipe(Recipe):
     name = "workflow-rl"
     eval_before = True
     curves = ("rollout/reward_mean", "eval/accuracy", "eval/image_accuracy")
+    attributes = ("color", "shape", "direction", "speed", "smooth")
 
     def __init__(self, config: WorkflowRLRecipeConfig) -> None:
         self.config = config
@@ -76,29 +80,15 @@ class WorkflowRLRecipe(Recipe):
         models = {}
         for stage in spec.stages:
             try:
-                loaded = load_model(stage.model)
-            except (FileNotFoundError, ValueError) as error:
-                raise ConfigError(f"workflow: stage {stage.name!r}: {error}") from None
-            if loaded.kind != "flow":
-                raise ConfigError(
-                    f"workflow: stage {stage.name!r}: {stage.model} holds a {loaded.kind} model; "
-                    "workflow stages are flow models"
-                )
-            models[stage.name] = loaded.model.to(config.device)
+                models[stage.name] = load_stage_model(stage).to(config.device)
+            except WorkflowError as error:
+                raise ConfigError(f"workflow: {error}") from None
         self.trained = [n for n in names if settings[n] is None or settings[n].train]
         if not self.trained:
             raise ConfigError("stages: every stage is frozen (train: false); nothing to train")
         self.rollout_samplers = {
-            stage.name: stage.sampler.model_copy(
-                update={
-                    "mode": "sde",
-                    **(settings[stage.name].sampler if settings[stage.name] else {}),
-                }
-            )
-            for stage in spec.stages
+            stage.name: _rollout_sampler(stage, settings[stage.name]) for stage in spec.stages
         }
-        for name, sampler in self.rollout_samplers.items():  # re-validate the merged settings
-            self.rollout_samplers[name] = type(sampler).model_validate(sampler.model_dump())
         self.fanout = {s.name: config.fanout.get(s.name, s.fanout) for s in spec.stages[1:]}
         self.roles = {
             name: PolicyRoles(models[name], reference=config.policy.uses_reference)
@@ -223,19 +213,9 @@ class WorkflowRLRecipe(Recipe):
             seed=self.config.seed,
         )
         self.final = result
-        record = {
-            "step": step,
-            "accuracy": result.accuracy,
-            "attributes": result.attributes,
-            "reward_mean": result.reward_mean,
-            "image_accuracy": result.image_accuracy,
-        }
-        metrics = {
-            "eval/accuracy": result.accuracy,
-            "eval/reward_mean": result.reward_mean,
-            "eval/image_accuracy": result.image_accuracy,
-        }
-        metrics.update({f"eval/{k}": v for k, v in result.attributes.items() if k != "overall"})
+        record, metrics = eval_record(result, step)
+        record["image_accuracy"] = result.image_accuracy
+        metrics["eval/image_accuracy"] = result.image_accuracy
         count = min(self.config.preview_clips, result.num_clips)
         if count:
             samples = self.out / "samples"
@@ -253,6 +233,24 @@ class WorkflowRLRecipe(Recipe):
         self.position = int(state["position"])
         for name, roles in self.roles.items():
             roles.restore(int(state["versions"][name]))
+
+    def plot(self, out: Path, history) -> Path:
+        """``curves.png``: the rollout reward and each attribute's rollout accuracy, the
+        held-out accuracy per attribute, and per stage the KL and gradient norm."""
+        groups = {
+            "rollout reward and attributes": [
+                "rollout/reward_mean",
+                *(f"rollout/{a}" for a in self.attributes),
+            ],
+            "held-out final videos": [
+                "eval/accuracy",
+                "eval/image_accuracy",
+                *(f"eval/{a}" for a in self.attributes),
+            ],
+            "KL per stage": [f"{n}/flow_grpo/kl" for n in self.trained],
+            "grad norm per stage": [f"grad_norm/{n}" for n in self.trained],
+        }
+        return plot_curve_groups(out / "metrics.jsonl", out / "curves.png", groups, self.title)
 
     def save_model(self, directory) -> None:
         """One model directory per stage and a ``workflow.yaml`` serving them (paths
@@ -287,6 +285,20 @@ class WorkflowRLRecipe(Recipe):
             "workflow": str(self.out / "model" / WORKFLOW_FILE),
             "previews": sorted(str(p) for p in (self.out / "samples").glob("*.gif")),
         }
+
+
+def _rollout_sampler(stage, settings) -> FlowSamplerConfig:
+    """The stage's sampler from the workflow file as SDE, with this run's overrides
+    (``stages.NAME.sampler``); a bad value is a ConfigError naming the key."""
+    overrides = settings.sampler if settings is not None else {}
+    try:
+        return FlowSamplerConfig.model_validate(
+            {**stage.sampler.model_dump(), "mode": "sde", **overrides}
+        )
+    except ValidationError as error:
+        item = error.errors()[0]
+        key = ".".join(map(str, item["loc"])) or "sampler"
+        raise ConfigError(f"stages.{stage.name}.sampler.{key}: {item['msg']}") from None
 
 
 def run_workflow_rl(

@@ -34,7 +34,6 @@ and ``render(example, seed)`` of ``(example, seed, image_size)``; no global RNG 
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .prompts import PromptTask, example_of
 
 __all__ = [
     "ATTRIBUTES",
@@ -63,8 +64,6 @@ __all__ = [
 ]
 
 Kind = Literal["position", "count"]
-Split = Literal["train", "eval"]
-_SPLITS = ("train", "eval")
 
 BACKGROUND = (0.0, 0.0, 0.0)
 COLORS: dict[str, tuple[float, float, float]] = {
@@ -186,17 +185,7 @@ def parse_prompt(prompt: str) -> GenEvalExample:
 def to_example(item: GenEvalExample | str | object, index: int = 0) -> GenEvalExample:
     """An example from an example, a prompt string, or anything with a ``prompt`` field
     (``index`` names the item in errors)."""
-    if isinstance(item, GenEvalExample):
-        return item
-    if isinstance(item, str):
-        return parse_prompt(item)
-    prompt = item.get("prompt") if isinstance(item, dict) else getattr(item, "prompt", None)
-    if not isinstance(prompt, str):
-        raise TypeError(
-            f"example {index}: expected a GenEvalExample, a prompt str or an object with a str "
-            f"'prompt' field, got {type(item).__name__}"
-        )
-    return parse_prompt(prompt)
+    return example_of(item, index, GenEvalExample, parse_prompt)
 
 
 # ---------------------------------------------------------------------------- verifier
@@ -367,8 +356,9 @@ def _values(examples: Iterable[GenEvalExample]) -> set[tuple[str, str, object]]:
     return {(e.kind, a, getattr(e, a)) for e in examples for a in e.attributes}
 
 
-class GenEvalTask:
-    """Prompts, renders and the verifier of mini-GenEval (see the module docstring).
+class GenEvalTask(PromptTask):
+    """Prompts, renders and the verifier of mini-GenEval (see the module docstring); the split
+    and the example streams are :class:`~diffusion_rl.tasks.prompts.PromptTask`'s.
 
     Args:
         config: a :class:`GenEvalConfig`; ``None`` means the defaults.
@@ -376,81 +366,17 @@ class GenEvalTask:
 
     name = "geneval"
     vocabulary = VOCABULARY
+    config_class = GenEvalConfig
+    seed_key = "diffusion_rl.geneval:v1"
 
     def __init__(self, config: GenEvalConfig | None = None) -> None:
-        if config is None:
-            config = GenEvalConfig()
-        if not isinstance(config, GenEvalConfig):
-            raise TypeError(
-                f"GenEvalTask.config: expected a GenEvalConfig, got {type(config).__name__}"
-            )
-        self.config = config
-        self.min_area = config.min_area or default_min_area(config.image_size)
-        every = _all_prompts(config)
-        n_held = (
-            max(1, round(config.heldout_fraction * len(every))) if config.heldout_fraction else 0
-        )
-        # Deterministic shuffles until the training prompts show every attribute value.
-        for attempt in range(1000):
-            order = list(range(len(every)))
-            random.Random(self._seed("split", attempt)).shuffle(order)
-            held = sorted(order[:n_held])
-            train = sorted(order[n_held:])
-            if _values(every[i] for i in train) == _values(every):
-                break
-        else:  # pragma: no cover - unreachable for heldout_fraction < 0.5
-            raise ValueError("heldout_fraction: no split keeps every attribute value in training")
-        self._split = {"train": [every[i] for i in train], "eval": [every[i] for i in held]}
-
-    def __repr__(self) -> str:
-        return f"GenEvalTask({self.config!r})"
+        super().__init__(config)
+        self.min_area = self.config.min_area or default_min_area(self.config.image_size)
+        self._split_prompts(_all_prompts(self.config), _values)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
         return (3, self.config.image_size, self.config.image_size)
-
-    def info(self) -> dict:
-        """The task's settings as a JSON-ready dict with its ``name`` (model directories record
-        it so later stages rebuild the same task)."""
-        return {"name": self.name, **self.config.model_dump(mode="json")}
-
-    @classmethod
-    def from_info(cls, info: dict) -> GenEvalTask:
-        """The task described by :meth:`info` (e.g. read back from a model's JSON config)."""
-        settings = dict(info)
-        name = settings.pop("name", cls.name)
-        if name != cls.name:
-            raise ValueError(f"info: describes task {name!r}, not {cls.name!r}")
-        return cls(GenEvalConfig(**settings))
-
-    def _seed(self, *parts: object) -> int:
-        key = ":".join(["diffusion_rl.geneval:v1", str(self.config.seed), *map(str, parts)])
-        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
-
-    # ------------------------------------------------------------------ prompts
-    def prompts(self, split: Split = "train") -> list[GenEvalExample]:
-        """The prompts of ``split`` in a fixed order (``"eval"`` may be empty when
-        ``heldout_fraction == 0``)."""
-        if split not in _SPLITS:
-            raise ValueError(f"split: expected one of {_SPLITS}, got {split!r}")
-        return list(self._split[split])
-
-    def example(self, index: int, split: Split = "train") -> GenEvalExample:
-        """The prompt at ``index`` of the ``split`` stream: the stream runs through the split's
-        prompts in epochs of ``n = len(prompts(split))``, each epoch a fresh seeded shuffle, so
-        every window ``[k n, (k + 1) n)`` holds each prompt exactly once."""
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"index: expected an int >= 0, got {index!r}")
-        pool = self.prompts(split)
-        if not pool:
-            raise ValueError(f"split {split!r} has no prompts (heldout_fraction is 0)")
-        epoch, offset = divmod(index, len(pool))
-        order = list(range(len(pool)))
-        random.Random(self._seed(split, "epoch", epoch)).shuffle(order)
-        return pool[order[offset]]
-
-    def examples(self, indices: Iterable[int], split: Split = "train") -> list[GenEvalExample]:
-        return [self.example(int(i), split) for i in indices]
 
     # ------------------------------------------------------------------ rendering
     def render(self, example: GenEvalExample | str, seed: int) -> torch.Tensor:
@@ -507,18 +433,6 @@ class GenEvalTask:
         if len(examples) != len(seeds):
             raise ValueError(f"render_batch: {len(examples)} examples but {len(seeds)} seeds")
         return torch.stack([self.render(e, s) for e, s in zip(examples, seeds)])
-
-    def train_batch(self, position: int, batch_size: int):
-        """Training batch number ``position``: ``(examples, images [B, 3, S, S])`` for indices
-        ``[position * B, (position + 1) * B)``, each image rendered with its index as seed;
-        the int ``position`` is the whole data state (resume reproduces the stream)."""
-        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-            raise ValueError(f"position: expected an int >= 0, got {position!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-        indices = range(position * batch_size, (position + 1) * batch_size)
-        examples = self.examples(indices, "train")
-        return examples, self.render_batch(examples, list(indices))
 
     # ------------------------------------------------------------------ verifier
     def verify(

@@ -42,8 +42,6 @@ right; no global RNG is touched.
 
 from __future__ import annotations
 
-import hashlib
-import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -54,7 +52,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import geneval
-from .geneval import COLORS, SHAPES, DetectedObject, GenEvalConfig, GenEvalTask, Split
+from .geneval import COLORS, SHAPES, DetectedObject, GenEvalConfig, GenEvalTask
+from .prompts import PromptTask, example_of
 
 __all__ = [
     "DIRECTIONS",
@@ -76,7 +75,6 @@ __all__ = [
     "verify_clips",
 ]
 
-_SPLITS = ("train", "eval")
 DIRECTIONS = ("left", "right", "up", "down")
 SPEEDS = ("slowly", "fast")
 MOTION_ATTRIBUTES = ("color", "shape", "direction", "speed", "smooth")
@@ -182,17 +180,7 @@ def parse_motion_prompt(text: str) -> MotionExample:
 def to_motion_example(item: MotionExample | str | object, index: int = 0) -> MotionExample:
     """An example from an example, a prompt str, or a dict / object with a str ``prompt``
     (``index`` names the item in errors)."""
-    if isinstance(item, MotionExample):
-        return item
-    if isinstance(item, str):
-        return parse_motion_prompt(item)
-    prompt = item.get("prompt") if isinstance(item, dict) else getattr(item, "prompt", None)
-    if not isinstance(prompt, str):
-        raise TypeError(
-            f"example {index}: expected a MotionExample, a prompt str or an object with a str "
-            f"'prompt' field, got {type(item).__name__}"
-        )
-    return parse_motion_prompt(prompt)
+    return example_of(item, index, MotionExample, parse_motion_prompt)
 
 
 # ---------------------------------------------------------------------------- verifier
@@ -381,8 +369,9 @@ def motion_accuracy(results: Sequence[dict[str, bool]]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- the task
-class MotionTask:
-    """Prompts, clip renders and the verifier of mini-motion (see the module docstring).
+class MotionTask(PromptTask):
+    """Prompts, clip renders and the verifier of mini-motion (see the module docstring); the
+    split and the example streams are :class:`~diffusion_rl.tasks.prompts.PromptTask`'s.
 
     Args:
         config: a :class:`MotionConfig`; ``None`` means the defaults.
@@ -390,15 +379,12 @@ class MotionTask:
 
     name = "mini-motion"
     vocabulary = MOTION_VOCABULARY
+    config_class = MotionConfig
+    seed_key = "diffusion_rl.motion:v1"
 
     def __init__(self, config: MotionConfig | None = None) -> None:
-        if config is None:
-            config = MotionConfig()
-        if not isinstance(config, MotionConfig):
-            raise TypeError(
-                f"MotionTask.config: expected a MotionConfig, got {type(config).__name__}"
-            )
-        self.config = config
+        super().__init__(config)
+        config = self.config
         self.min_area = config.min_area or geneval.default_min_area(config.image_size)
         self._image_task = GenEvalTask(
             GenEvalConfig(
@@ -415,22 +401,7 @@ class MotionTask:
             for d in DIRECTIONS
             for v in SPEEDS
         ]
-        n_held = round(config.heldout_fraction * len(every))
-        n_held = max(1, n_held) if config.heldout_fraction else 0
-        wanted = _values(every)
-        # Deterministic shuffles until the training prompts show every attribute value.
-        for attempt in range(1000):
-            order = list(range(len(every)))
-            random.Random(self._seed("split", attempt)).shuffle(order)
-            if _values(every[i] for i in order[n_held:]) == wanted:
-                break
-        else:  # pragma: no cover - unreachable for heldout_fraction < 0.5
-            raise ValueError("heldout_fraction: no split keeps every attribute value in training")
-        held, train = sorted(order[:n_held]), sorted(order[n_held:])
-        self._split = {"train": [every[i] for i in train], "eval": [every[i] for i in held]}
-
-    def __repr__(self) -> str:
-        return f"MotionTask({self.config!r})"
+        self._split_prompts(every, _values)
 
     @property
     def clip_shape(self) -> tuple[int, int, int, int]:
@@ -446,50 +417,9 @@ class MotionTask:
         floor): its verifier judges ``clips[:, 0]`` against ``example.image_prompt``."""
         return self._image_task
 
-    def info(self) -> dict:
-        """The task's settings as a JSON-ready dict with its ``name``."""
-        return {"name": self.name, **self.config.model_dump(mode="json")}
-
-    @classmethod
-    def from_info(cls, info: dict) -> MotionTask:
-        """The task described by :meth:`info` (e.g. read back from a model's JSON config)."""
-        settings = dict(info)
-        name = settings.pop("name", cls.name)
-        if name != cls.name:
-            raise ValueError(f"info: describes task {name!r}, not {cls.name!r}")
-        return cls(MotionConfig(**settings))
-
-    def _seed(self, *parts: object) -> int:
-        key = ":".join(["diffusion_rl.motion:v1", str(self.config.seed), *map(str, parts)])
-        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
-
-    # ------------------------------------------------------------------ prompts
-    def prompts(self, split: Split = "train") -> list[MotionExample]:
-        """The prompts of ``split`` in a fixed order (``"eval"`` is empty when
-        ``heldout_fraction == 0``)."""
-        if split not in _SPLITS:
-            raise ValueError(f"split: expected one of {_SPLITS}, got {split!r}")
-        return list(self._split[split])
-
-    def example(self, index: int, split: Split = "train") -> MotionExample:
-        """The prompt at ``index`` of the ``split`` stream: epochs of ``n = len(prompts(split))``
-        indices, each a fresh seeded shuffle holding every prompt once."""
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"index: expected an int >= 0, got {index!r}")
-        pool = self.prompts(split)
-        if not pool:
-            raise ValueError(f"split {split!r} has no prompts (heldout_fraction is 0)")
-        epoch, offset = divmod(index, len(pool))
-        order = list(range(len(pool)))
-        random.Random(self._seed(split, "epoch", epoch)).shuffle(order)
-        return pool[order[offset]]
-
     def to_example(self, item: MotionExample | str | object, index: int = 0) -> MotionExample:
         """The example a prompt string (or an example, or an object with a ``prompt``) is."""
         return to_motion_example(item, index)
-
-    def examples(self, indices: Iterable[int], split: Split = "train") -> list[MotionExample]:
-        return [self.example(int(i), split) for i in indices]
 
     # ------------------------------------------------------------------ rendering
     def speed_pixels(self, example: MotionExample) -> int:
@@ -517,17 +447,6 @@ class MotionTask:
         if len(examples) != len(seeds):
             raise ValueError(f"render_batch: {len(examples)} examples but {len(seeds)} seeds")
         return torch.stack([self.render_clip(e, s) for e, s in zip(examples, seeds)])
-
-    def train_batch(self, position: int, batch_size: int):
-        """Training batch number ``position``: ``(examples, clips [B, F, 3, S, S])`` for indices
-        ``[position * B, (position + 1) * B)``, each clip rendered with its index as seed."""
-        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-            raise ValueError(f"position: expected an int >= 0, got {position!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-        indices = range(position * batch_size, (position + 1) * batch_size)
-        examples = self.examples(indices, "train")
-        return examples, self.render_batch(examples, list(indices))
 
     # ------------------------------------------------------------------ verifier
     def verify(self, clips: torch.Tensor, examples: Sequence) -> list[dict[str, bool]]:
