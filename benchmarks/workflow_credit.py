@@ -1,0 +1,190 @@
+"""Credit assignment in workflow RL: which stage learns from which reward, under CPU budgets.
+
+Starts from one text → image → video workflow (an image-stage FlowDiT and a video-stage
+VideoDiT after flow SFT: trained here with the quickstart's settings unless ``--workflow`` is
+given) and runs the ``workflow-rl`` recipe in fresh one-thread processes, each stopped
+(through the recipe's normal end: final evaluation, checkpoint, model, results) once it has
+used its budget of *CPU time* (``time.process_time``; a loaded machine costs wall time, not
+learning). Four arms, the same seeds and settings otherwise:
+
+* ``color_image``: the reward is the clip's colour only (``motion`` reward, ``attributes:
+  [color]``; the image stage decides the colour, the video stage should keep it) and only the
+  image stage trains (the video stage frozen);
+* ``motion_video``: the reward is motion only (``[direction, speed]``; decided by the video
+  stage) and only the video stage trains;
+* ``both``: the full final-video reward (all five attributes), both stages trained;
+* ``video_only``: the same full reward and budget, the image stage frozen.
+
+Each arm reports held-out before / after per attribute (the final clips of the served
+workflow at fixed seeds), its mean attribute score (``score``: the fraction of the five
+attributes right, averaged; what the full reward is) and the overall accuracy (all five
+right), plus the first stage's image accuracy. The credit checks: ``color_image`` raises
+colour, ``motion_video`` raises direction / speed, and ``both`` is compared with
+``video_only`` on the score. Prints one JSON object as the last line of stdout.
+
+    python benchmarks/workflow_credit.py --minutes 20 --credit-minutes 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from diffusion_rl.quickstart import QUICKSTART_WORKFLOW_RL
+
+RUN = """
+import json, sys, time, torch
+torch.set_num_threads(1)
+from diffusion_rl.config import build_config, WorkflowRLRecipeConfig
+from diffusion_rl.recipes import workflow_rl as recipe
+config = build_config(WorkflowRLRecipeConfig, json.loads(sys.argv[1]))
+deadline = time.process_time() + float(sys.argv[2])
+real_step = recipe.PolicyLearner.step_stages
+def step_stages(self, rollouts):
+    metrics = real_step(self, rollouts)
+    if time.process_time() > deadline:
+        config.steps = self.rollout_step  # the run loop ends here, through its normal end
+    return metrics
+recipe.PolicyLearner.step_stages = step_stages
+result = recipe.run_workflow_rl(config, echo=lambda message: print(message, file=sys.stderr))
+result["cpu_s"] = round(time.process_time(), 1)
+print(json.dumps(result))
+"""
+
+# The quickstart's workflow-RL settings (one definition for both), run to a CPU budget with
+# before / after evaluations only (each top-level key overridable with --set).
+SETTINGS = {
+    **QUICKSTART_WORKFLOW_RL,
+    "steps": 100000,  # the CPU budget ends the run
+    "eval_every": 100000,
+    "checkpoint_every": 100000,
+    "eval_samples_per_prompt": 8,
+    "preview_clips": 16,
+}
+MOTION = ["direction", "speed"]
+ARMS = {
+    "color_image": {"rewards": [{"name": "motion", "options": {"attributes": ["color"]}}],
+                    "freeze": "video"},
+    "motion_video": {"rewards": [{"name": "motion", "options": {"attributes": MOTION}}],
+                     "freeze": "image"},
+    "both": {"rewards": [{"name": "motion"}], "freeze": None},
+    "video_only": {"rewards": [{"name": "motion"}], "freeze": "image"},
+}  # fmt: skip
+
+
+def arm_config(name: str, workflow: str, out: Path, extra: dict) -> dict:
+    arm = ARMS[name]
+    stages = json.loads(json.dumps(SETTINGS["stages"]))
+    if arm["freeze"]:
+        stages[arm["freeze"]]["train"] = False
+    return {
+        **SETTINGS,
+        "stages": stages,
+        "rewards": arm["rewards"],
+        "workflow": workflow,
+        "output_dir": str(out / name),
+        "resume": False,
+        **extra,
+    }
+
+
+def run_arm(config: dict, seconds: float) -> dict:
+    env = {**os.environ, "DIFFUSION_RL_NO_PROGRESS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, json.dumps(config), str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    if proc.returncode:
+        raise SystemExit(f"arm {config['output_dir']} failed with exit code {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summary(result: dict) -> dict:
+    before, after = result["history"][0], result["history"][-1]
+
+    def score(record: dict) -> float:
+        return round(record["reward_mean"], 4)
+
+    return {
+        "steps": result["steps"],
+        "cpu_s": result["cpu_s"],
+        "score_before": score(before),
+        "score_after": score(after),
+        "score_gain_points": round(100 * (after["reward_mean"] - before["reward_mean"]), 1),
+        "accuracy_before": round(before["accuracy"], 4),
+        "accuracy_after": round(after["accuracy"], 4),
+        "attributes_before": {k: round(v, 4) for k, v in before["attributes"].items()},
+        "attributes_after": {k: round(v, 4) for k, v in after["attributes"].items()},
+        "image_accuracy_before": round(before["image_accuracy"], 4),
+        "image_accuracy_after": round(after["image_accuracy"], 4),
+        "weights_versions": result["weights_versions"],
+        "previews": result["previews"],
+    }
+
+
+def train_workflow(out: Path, steps: int) -> str:
+    """The quickstart's two SFT stages (``steps`` each) and its workflow file."""
+    from diffusion_rl.quickstart import run_quickstart_workflow
+
+    summary = run_quickstart_workflow(str(out / "sft"), steps=steps, rl_steps=1)
+    return str(Path(summary["workflow"]).parents[2] / "workflow.yaml")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--minutes", type=float, default=20.0, help="CPU budget of both / video_only"
+    )
+    parser.add_argument(
+        "--credit-minutes",
+        type=float,
+        default=10.0,
+        help="CPU budget of color_image / motion_video",
+    )
+    parser.add_argument("--workflow", help="a workflow file to start from (default: train one)")
+    parser.add_argument("--sft-steps", type=int, default=1000, help="SFT steps when training one")
+    parser.add_argument("--out", default="runs/bench_workflow_credit")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms to run")
+    parser.add_argument("--parallel", type=int, default=2, help="arms run at once (1 thread each)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override a top-level recipe key in every arm, e.g. policy='{...}'",
+    )
+    args = parser.parse_args()  # fmt: skip
+    out = Path(args.out)
+    started = time.time()
+    workflow = args.workflow or train_workflow(out, args.sft_steps)
+    extra = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        extra[key] = json.loads(value)
+    arms = [a for a in args.arms.split(",") if a]
+    budgets = {a: 60 * (args.minutes if a in ("both", "video_only") else args.credit_minutes)
+               for a in arms}  # fmt: skip
+    configs = {a: arm_config(a, workflow, out, extra) for a in arms}
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = {a: pool.submit(run_arm, configs[a], budgets[a]) for a in arms}
+        results = {a: summary(f.result()) for a, f in futures.items()}
+    report = {"workflow": workflow, "budgets_cpu_s": budgets, "settings": SETTINGS,
+              "overrides": extra, "arms": results,
+              "wall_s": round(time.time() - started, 1)}  # fmt: skip
+    if "both" in results and "video_only" in results:
+        report["both_minus_video_only_points"] = round(
+            results["both"]["score_gain_points"] - results["video_only"]["score_gain_points"], 1
+        )
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
