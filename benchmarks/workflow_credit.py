@@ -69,28 +69,32 @@ SETTINGS = {
 }
 MOTION = ["direction", "speed"]
 ARMS = {
+    "both": {"rewards": [{"name": "motion"}], "freeze": None},
+    "video_only": {"rewards": [{"name": "motion"}], "freeze": "image"},
     "color_image": {"rewards": [{"name": "motion", "options": {"attributes": ["color"]}}],
                     "freeze": "video"},
     "motion_video": {"rewards": [{"name": "motion", "options": {"attributes": MOTION}}],
                      "freeze": "image"},
-    "both": {"rewards": [{"name": "motion"}], "freeze": None},
-    "video_only": {"rewards": [{"name": "motion"}], "freeze": "image"},
 }  # fmt: skip
 
 
 def arm_config(name: str, workflow: str, out: Path, extra: dict) -> dict:
+    """The recipe config of arm ``name``: the settings under ``extra`` (whose ``stages``
+    sections are merged per stage), then the arm's rewards and frozen stage."""
     arm = ARMS[name]
     stages = json.loads(json.dumps(SETTINGS["stages"]))
+    for stage, section in extra.get("stages", {}).items():
+        stages[stage] = {**stages.get(stage, {}), **section}
     if arm["freeze"]:
         stages[arm["freeze"]]["train"] = False
     return {
         **SETTINGS,
+        **{k: v for k, v in extra.items() if k != "stages"},
         "stages": stages,
         "rewards": arm["rewards"],
         "workflow": workflow,
         "output_dir": str(out / name),
         "resume": False,
-        **extra,
     }
 
 
