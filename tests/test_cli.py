@@ -522,7 +522,13 @@ def test_readme_commands_parse_and_read_models_that_earlier_commands_write(monke
         if argv == ["--version"]:
             continue
         args = cli.build_parser().parse_args(argv)
-        if args.command == "quickstart":
+        if args.command == "quickstart" and args.mode == "workflow":
+            out = args.output_dir or "runs/quickstart_workflow"
+            written |= {f"{out}/image_sft/model", f"{out}/video_sft/model"}
+            written |= {f"{out}/workflow.yaml", f"{out}/workflow_rl/model/workflow.yaml"}
+            if out == "runs/quickstart_workflow":  # the built-in workflow's file
+                written.add("text-to-image-to-video")
+        elif args.command == "quickstart":
             stages = ("sft", "grpo") if args.mode == "text" else ("flow_sft", "flow_grpo")
             out = (
                 args.output_dir
@@ -537,9 +543,14 @@ def test_readme_commands_parse_and_read_models_that_earlier_commands_write(monke
                 if path is not None and path != "DIR":  # DIR: a placeholder
                     assert path in written, (line, section, path)
                     reads += 1
+            workflow = getattr(loaded, "workflow", None)
+            if workflow is not None:  # workflow-rl reads a workflow, writes another
+                assert workflow in written, (line, "workflow", workflow)
+                reads += 1
+                written.add(f"{loaded.output_dir}/model/workflow.yaml")
             if not args.print_config:
                 written.add(f"{loaded.output_dir}/model")
         else:
-            assert args.model in written, line
+            assert (args.model or args.workflow) in written, line
             reads += 1
     assert len(commands) >= 12 and reads >= 7

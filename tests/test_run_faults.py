@@ -138,7 +138,7 @@ def test_kill_9_inside_a_checkpoint_write_and_at_a_random_moment_resume_bitwise(
 def test_ctrl_c_checkpoints_the_current_step_and_the_rerun_resumes_from_it(straight, tmp_path):
     out = tmp_path / "interrupted"
     config = faults.write_config(out, checkpoint_every=1000)  # no periodic checkpoint
-    proc = attempt(config, slow=0.1)
+    proc = attempt(config, slow=0.3)  # 11 steps (3.3 s) left to interrupt, even on a busy CPU
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and '"loss"' in metrics.read_text(), proc)  # step 1 logged
     os.kill(proc.pid, signal.SIGINT)
