@@ -29,32 +29,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from flow_grpo_learning import run_recipe
+
 from diffusion_rl.quickstart import QUICKSTART_WORKFLOW_RL
 
-RUN = """
-import json, sys, time, torch
-torch.set_num_threads(1)
-from diffusion_rl.config import build_config, WorkflowRLRecipeConfig
-from diffusion_rl.recipes import workflow_rl as recipe
-config = build_config(WorkflowRLRecipeConfig, json.loads(sys.argv[1]))
-deadline = time.process_time() + float(sys.argv[2])
+# The run stops (through the recipe's normal end) once its CPU budget is spent.
+STAGES_PATCH = """
 real_step = recipe.PolicyLearner.step_stages
 def step_stages(self, rollouts):
     metrics = real_step(self, rollouts)
     if time.process_time() > deadline:
-        config.steps = self.rollout_step  # the run loop ends here, through its normal end
+        config.steps = self.rollout_step
     return metrics
 recipe.PolicyLearner.step_stages = step_stages
-result = recipe.run_workflow_rl(config, echo=lambda message: print(message, file=sys.stderr))
-result["cpu_s"] = round(time.process_time(), 1)
-print(json.dumps(result))
 """
 
 # The quickstart's workflow-RL settings (one definition for both), run to a CPU budget with
@@ -99,16 +90,10 @@ def arm_config(name: str, workflow: str, out: Path, extra: dict) -> dict:
 
 
 def run_arm(config: dict, seconds: float) -> dict:
-    env = {**os.environ, "DIFFUSION_RL_NO_PROGRESS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", RUN, json.dumps(config), str(seconds)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
+    """One arm in a fresh one-thread process (``flow_grpo_learning.run_recipe``)."""
+    return run_recipe(
+        "workflow_rl", "WorkflowRLRecipeConfig", "run_workflow_rl", config, seconds, STAGES_PATCH
     )
-    if proc.returncode:
-        raise SystemExit(f"arm {config['output_dir']} failed with exit code {proc.returncode}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def summary(result: dict) -> dict:
