@@ -20,25 +20,7 @@ def plot_curves(
     metrics_path: str | Path, png_path: str | Path, keys: list[str], title: str = ""
 ) -> Path:
     """One panel per key in ``keys`` (value vs step); keys absent from the log are skipped."""
-    records = read_metrics(metrics_path)
-    present = [k for k in keys if any(r.get(k) is not None for r in records)]
-    if not present:
-        raise ValueError(f"{metrics_path}: none of {keys} was logged")
-    fig, axes = plt.subplots(1, len(present), figsize=(4.2 * len(present), 3.2), squeeze=False)
-    for ax, key in zip(axes[0], present):
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        steps, values = zip(*points)
-        ax.plot(steps, values, marker="o" if len(points) < 30 else None, linewidth=1.5)
-        ax.set_xlabel("step")
-        ax.set_title(key)
-        ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    png_path = Path(png_path)
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return png_path
+    return plot_curve_groups(metrics_path, png_path, {key: [key] for key in keys}, title)
 
 
 def plot_curve_groups(
