@@ -161,7 +161,8 @@ def test_resume_continues_exactly(stage_models, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), stage
 
 
-def test_config_errors_name_the_stage(stage_models, tmp_path):
+def test_config_errors_name_the_stage(stage_models, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the built-in workflow a quickstart here would write is absent
     path = _workflow_file(stage_models, tmp_path)
     with pytest.raises(ConfigError, match="stages.audio: the workflow .* has no stage 'audio'"):
         run_workflow_rl(_rl_config(path, tmp_path / "a", stages={"audio": {}}), echo=print)

@@ -205,6 +205,16 @@ def evaluate_video_model(model, task, sampler, config, step: int, grid: Path):
     return record, metrics, result
 
 
+def before_after(history: list[dict[str, Any]], *keys: str) -> dict[str, Any]:
+    """``KEY_before`` / ``KEY_after`` from the first and last evaluation records, for
+    ``accuracy``, ``attributes`` and ``keys``, in that order."""
+    before, after = history[0], history[-1]
+    out: dict[str, Any] = {}
+    for key in ("accuracy", "attributes", *keys):
+        out[f"{key}_before"], out[f"{key}_after"] = before[key], after[key]
+    return out
+
+
 def eval_record(result: ImageEvalResult | ClipEvalResult, step: int) -> tuple[dict, dict]:
     """The history record (step, accuracy, per-attribute accuracy, mean reward) and the
     metrics (``eval/accuracy``, ``eval/reward_mean``, ``eval/<attribute>``) of an evaluation."""

@@ -32,6 +32,7 @@ from ..train.learner import PolicyLearner
 from ..train.plans import FlowPolicyPlan
 from ..train.roles import PolicyRoles
 from .common import (
+    before_after,
     check_model_fits_task,
     evaluate_image_model,
     image_task,
@@ -139,12 +140,8 @@ class FlowGRPORecipe(OnPolicyRecipe):
         save_model(directory, self.served, info)
 
     def results(self, history) -> dict[str, Any]:
-        before, after = history[0], history[-1]
         return {
-            "accuracy_before": before["accuracy"],
-            "accuracy_after": after["accuracy"],
-            "attributes_before": before["attributes"],
-            "attributes_after": after["attributes"],
+            **before_after(history),
             "eval": self.final.to_dict(),
             "weights_version": self.roles.version,
             "grids": sorted(str(p) for p in (self.out / "samples").glob("*.png")),

@@ -43,7 +43,7 @@ from ..train.plans import FlowPolicyPlan
 from ..train.roles import PolicyRoles, frozen_copy
 from ..train.trainer import OptimConfig, Trainer
 from ..workflows import Workflow, WorkflowError, load_stage_model, load_workflow_spec
-from .common import eval_record
+from .common import before_after, eval_record
 from .run import Recipe, _one_name_per_value, run
 
 WORKFLOW_FILE = "workflow.yaml"
@@ -271,14 +271,8 @@ class WorkflowRLRecipe(Recipe):
         (directory / WORKFLOW_FILE).write_text(yaml.safe_dump(spec, sort_keys=False))
 
     def results(self, history) -> dict[str, Any]:
-        before, after = history[0], history[-1]
         return {
-            "accuracy_before": before["accuracy"],
-            "accuracy_after": after["accuracy"],
-            "attributes_before": before["attributes"],
-            "attributes_after": after["attributes"],
-            "image_accuracy_before": before["image_accuracy"],
-            "image_accuracy_after": after["image_accuracy"],
+            **before_after(history, "image_accuracy"),
             "eval": self.final.to_dict(),
             "trained_stages": self.trained,
             "weights_versions": self.versions(),
