@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
+from ..models.lora import LoraSettings
 from ..tasks import TASKS, get_task
 from ..tasks.geneval import GenEvalConfig, GenEvalTask
 from ..tasks.motion import MotionConfig, MotionTask
@@ -97,6 +98,7 @@ class ModelRef(BaseModel):
 
     kind: ModelKind | None = None
     path: str
+    lora: LoraSettings | None = None  # train only LoRA adapters (peft); null: every weight
 
     @field_validator("path")
     @classmethod

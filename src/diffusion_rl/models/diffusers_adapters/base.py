@@ -40,29 +40,12 @@ import diffusers
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from packaging.version import Version
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from ..lora import LoraSettings
 from ..protocol import Conditioning
 
 __all__ = ["FlowPipelineAdapter", "LoraDisabledView", "LoraSettings"]
-
-
-class LoraSettings(BaseModel):
-    """LoRA on the transformer's attention projections.
-
-    ``alpha`` defaults to ``rank`` (scale 1). ``target_modules`` defaults to the family's
-    attention projections (``FlowPipelineAdapter.lora_targets``); peft matches them as
-    suffixes of module names. The LoRA B matrices start at zero, so a fresh LoRA leaves the
-    model's output bitwise unchanged.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    rank: int = Field(16, gt=0)
-    alpha: float | None = Field(None, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | None = None
 
 
 def _state_dict_keeps(adapter: FlowPipelineAdapter, name: str) -> bool:
