@@ -174,7 +174,7 @@ BAD_VALUES = [
     (S, "task.num_digits", "100", None),
     (S, "task.num_digitz", "2", None),
     (S, "task.operations", "'*'", None),
-    (S, "task.name", "sudoku", None),
+    (S, "task.name", "sudoku9", None),
     (S, "task.block_size", "8", None),
     (S, "task.completion_length", "3", "task"),
     (G, "task.name", "geneval", None),
@@ -204,8 +204,8 @@ BAD_VALUES = [
     (FG, "policy.timestep_fraction", "0", None),
     (FG, "policy.beta", ".inf", None),
     # rewards
-    (G, "rewards", "[{name: countdown}]", "rewards.0.name"),
-    (G, "rewards", "[{name: sudoku}]", "rewards.0.name"),
+    (G, "rewards", "[{name: countdown, options: {use_al: true}}]", "rewards.0.options"),
+    (G, "rewards", "[{name: sudoku, options: {mode: rows}}]", "rewards.0.options"),
     (G, "rewards", "[{name: geneval}]", "rewards.0.name"),
     (G, "rewards", "[{name: digitz}]", "rewards.0.name"),
     (G, "rewards", "[{name: verifier, weight: -1}]", "rewards.0.weight"),
@@ -577,8 +577,15 @@ def test_rewards_are_checked_against_the_task():
     assert [r.name for r in config.rewards] == ["digits"]
     with pytest.raises(ConfigError, match="rewards.0.name: 'countdown' does not apply to the "):
         load_config(None, G, ["task.name=arithmetic", "rewards=[{name: countdown}]"])
-    with pytest.raises(ConfigError, match="rewards that apply: verifier, digits, math"):
-        load_config(None, G, ["rewards=[{name: countdown}]"])
+    # task null: a reward of any built-in text task passes (the recipe checks the model's task)
+    config = load_config(None, G, ["rewards=[{name: countdown}]"])
+    assert [r.name for r in config.rewards] == ["countdown"]
+    with pytest.raises(
+        ConfigError,
+        match="rewards that apply to any built-in text task: verifier, "
+        "digits, math, countdown, sudoku",
+    ):
+        load_config(None, G, ["rewards=[{name: geneval}]"])
 
 
 def test_the_shipped_grpo_config_advertises_only_usable_rewards():

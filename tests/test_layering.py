@@ -28,6 +28,7 @@ LAYERS = {
     "objectives": 2,
     "tasks": 3,
     "rewards": 3,
+    "reward_models": 3,
     "evaluation": 3,
     "plots": 3,
     "workflows": 3,

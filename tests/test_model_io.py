@@ -116,7 +116,7 @@ def test_save_model_refuses_bad_arguments(tmp_path):
 
 
 def test_load_model_errors_name_the_path(tmp_path):
-    known = r"known model types: \['diffusion_rl.flow_dit', 'diffusion_rl.flow_video_dit', 'diffusion_rl.transformer'\]"
+    known = r"known model types: \['diffusion_rl.flow_dit', 'diffusion_rl.flow_pipeline', 'diffusion_rl.flow_video_dit', 'diffusion_rl.transformer'\]"
     missing = tmp_path / "missing"
     with pytest.raises(FileNotFoundError, match=f"model directory {missing} does not exist"):
         load_model(missing)

@@ -316,12 +316,16 @@ def test_task_verifier_matches_python_arithmetic():
 # ---------------------------------------------------------------------------- registry
 def test_get_reward_registry():
     assert sorted(REWARDS) == [
+        "aesthetic",
+        "clip_score",
         "compressibility",
         "countdown",
         "digits",
         "geneval",
         "math",
         "motion",
+        "ocr",
+        "pickscore",
         "sudoku",
         "verifier",
     ]

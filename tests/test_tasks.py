@@ -174,8 +174,9 @@ def test_config_defaults_and_validation():
         ArithmeticConfig(num_digits=3, completion_length=4)
     with pytest.raises(pydantic.ValidationError, match="multiple of block_size"):
         ArithmeticConfig(num_digits=3, completion_length=10)
-    with pytest.raises(ValueError, match=r"unknown task 'sudoku'; known tasks: \['arithmetic'\]"):
-        get_task("sudoku")
+    known = r"\['arithmetic', 'countdown', 'math', 'sudoku'\]"
+    with pytest.raises(ValueError, match=rf"unknown task 'sudoku9'; known tasks: {known}"):
+        get_task("sudoku9")
 
 
 # ---------------------------------------------------------------------------- tensors

@@ -856,3 +856,12 @@ class MotionReward:
 
 REWARDS["motion"] = MotionReward
 __all__ += ["MotionReward"]
+
+
+# ---------------------------------------------------------------------------- reward models
+# Image rewards computed by models from local directories (optional extras; docs/rewards.md):
+# clip_score, pickscore, aesthetic (pip install 'diffusion-rl[clip]') and ocr ('[ocr]').
+# reward_models imports nothing from this module at import time, so either may load first.
+from .reward_models import MODEL_REWARDS  # noqa: E402
+
+REWARDS.update(MODEL_REWARDS)

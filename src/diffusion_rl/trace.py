@@ -32,6 +32,7 @@ from .contracts import (
     require_dense_tensor,
     sum_is_finite,
 )
+from .models.protocol import BLOCK_ORIGINS, completion_blocks, completion_offsets
 
 INT64_MAX = 2**63 - 1
 SIGMA_START_TOLERANCE = 1e-5
@@ -373,16 +374,25 @@ class TokenTrace:
                     row_slot,
                 )
             )
-        window = self._step_window(sampler, length, steps.device)
+        origin = info.get("block_origin", "prompt")
+        if origin not in BLOCK_ORIGINS:
+            raise ValueError(
+                f"{owner}.model_info['block_origin']: expected one of {list(BLOCK_ORIGINS)}, "
+                f"got {origin!r}"
+            )
+        window = self._step_window(
+            sampler, length, steps.device, mask if origin == "canvas" else None
+        )
         if window is not None:
             low, high, stride = window
             size = sampler["block_size"]
 
             def in_block(at: list[int]) -> str:
-                block = at[1] // size
+                block = int(low.expand(steps.shape)[at[0], at[1]]) // stride
                 return (
-                    f"slot {at[1]} lies in block {block} (block_size {size}), so its step id "
-                    f"must be in [{block * stride}, {(block + 1) * stride}) (step_stride {stride})"
+                    f"slot {at[1]} lies in block {block} (block_size {size}, block_origin "
+                    f"{origin!r}), so its step id must be in [{block * stride}, "
+                    f"{(block + 1) * stride}) (step_stride {stride})"
                 )
 
             rules.append(
@@ -399,10 +409,13 @@ class TokenTrace:
 
     @staticmethod
     def _step_window(
-        sampler: dict, length: int, device: torch.device
+        sampler: dict, length: int, device: torch.device, canvas_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """Per-slot ``[low, high)`` step ids ``[L]`` and the stride, when the sampler settings
-        say how steps are numbered (``sampling/token.py``: ``block * step_stride + step``)."""
+        """Per-slot ``[low, high)`` step ids ``[1 or B, L]`` and the stride, when the sampler
+        settings say how steps are numbered (``sampling/token.py``: ``block * step_stride +
+        step``, with ``block`` the slot's completion block: ``k // block_size``, or
+        ``(r_b + k) // block_size`` for a ``"canvas"`` model, ``canvas_mask`` = the prompt
+        mask; models/protocol.py)."""
         size, per_block = sampler.get("block_size"), sampler.get("steps_per_block")
         schedule = sampler.get("schedule")
         for key, value in (("block_size", size), ("steps_per_block", per_block)):
@@ -415,7 +428,10 @@ class TokenTrace:
         if size is None or per_block is None or schedule is None:
             return None
         stride = per_block if schedule == "fixed" else size
-        block = torch.arange(length, device=device) // size
+        if canvas_mask is None:
+            block = (torch.arange(length, device=device) // size)[None, :]
+        else:
+            block = completion_blocks(completion_offsets(canvas_mask, size, "canvas"), length, size)
         return block * stride, (block + 1) * stride, stride
 
     @property

@@ -7,6 +7,7 @@ diffusion-rl flow-sft / flow-grpo --config FILE  # image models on mini-GenEval
 diffusion-rl RECIPE --config FILE --print-config  # the effective config as YAML, no run
 diffusion-rl generate --model DIR --prompt "12+34="  # completions; an image model: a grid
 diffusion-rl eval --model DIR [--examples N]      # accuracy on the model's task
+diffusion-rl export [--merge] SRC OUT          # a LoRA run's model as its own (merged) directory
 
 Error contract (:func:`main`): a bad flag, config or model directory ends in one line on
 stderr, ``diffusion-rl COMMAND: error: FLAG-OR-KEY: what is wrong``, and exit status 2; a

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from .export import cmd_export
 from .flags import (
     EVAL_FORMATS,
     IMAGE_FORMATS,
@@ -45,7 +46,8 @@ DESCRIPTION = (
     "masked-diffusion SFT (sft), GRPO / DAPO / Dr.GRPO with exact trace replay (grpo) and "
     "on-policy distillation (distill); for image models (flow matching): rectified-flow SFT "
     "(flow-sft) and Flow-GRPO (flow-grpo). quickstart runs SFT then RL on a built-in task on "
-    "CPU in minutes; generate and eval serve a saved model directory. Every recipe command "
+    "CPU in minutes; generate and eval serve a saved model directory; export writes a LoRA "
+    "run's model as a directory of its own (--merge: the adapter merged). Every recipe command "
     "reads a YAML config (--config), takes KEY=VALUE overrides (--set) and prints its "
     "effective config with --print-config; 'diffusion-rl COMMAND --help' lists a command's "
     "flags."
@@ -338,4 +340,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_image_sampler_flags(images)
     p.set_defaults(func=cmd_eval)
+
+    p = command(
+        "export",
+        "write a LoRA run's model as a directory of its own (--merge: a plain merged model)",
+        "Export the model a LoRA run wrote (SRC: its model directory or its OUTPUT_DIR; it "
+        "holds the adapter and the path of its base model). With --merge, OUT is a plain "
+        "model directory with the adapter merged into the base weights: the built-in models "
+        "in this project's format, a Hugging Face token model in its family's own format, a "
+        "diffusers pipeline as a pipeline directory. Without it, OUT is a copy of the adapter "
+        "directory. OUT must not exist; it appears complete or not at all.",
+    )
+    p.add_argument("src", metavar="SRC", help="a LoRA run's model directory or its OUTPUT_DIR")
+    p.add_argument("out", metavar="OUT", help="the directory to write (must not exist)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge the adapter into the base weights and write a plain model directory",
+    )
+    p.set_defaults(func=cmd_export)
     return parser

@@ -5,6 +5,12 @@ The model directory is loaded once (bounded by ``models.io``) and its kind picks
 (:data:`GENERATE`, :data:`EVAL`). The sampler is the one the directory records with the
 sampler flags applied; a flag for the other model kind, a flag value the sampler refuses, or
 an ``--output`` in the wrong format is a :class:`UsageError` naming the flag.
+
+``--model`` may also be a local diffusers pipeline directory (SD3, FLUX, Wan; served at the
+pipeline's default resolution with the default flow sampler) or the model a flow recipe wrote
+for one (the base pipeline + LoRA or transformer weights, at the resolution and with the
+sampler it was trained with); a text-to-video model writes its clips as a GIF or PNG frame
+strips (docs/flow_models.md).
 """
 
 from __future__ import annotations
@@ -107,6 +113,11 @@ def _check_seeds(args, rows: int) -> None:
         )
 
 
+def _upscale(images) -> int:
+    """Grid enlargement: 6× for the built-in 16-pixel images, none from 96 pixels up."""
+    return max(1, 96 // int(images.shape[-1]))
+
+
 def save_images(images, path: str, captions: list[str], nrow: int) -> Path:
     """A captioned grid of ``images`` in the format ``path``'s extension names
     (:data:`IMAGE_FORMATS`)."""
@@ -118,11 +129,12 @@ def save_images(images, path: str, captions: list[str], nrow: int) -> Path:
 
     target = Path(path)
     fmt = IMAGE_FORMATS[target.suffix.lower()]
+    upscale = _upscale(images)
     if fmt == "PNG":
-        return save_image_grid(images, target, nrow=nrow, captions=captions, upscale=6)
+        return save_image_grid(images, target, nrow=nrow, captions=captions, upscale=upscale)
     with tempfile.TemporaryDirectory() as scratch:  # the grid is drawn as PNG, then converted
         grid = save_image_grid(
-            images, Path(scratch) / "grid.png", nrow=nrow, captions=captions, upscale=6
+            images, Path(scratch) / "grid.png", nrow=nrow, captions=captions, upscale=upscale
         )
         with Image.open(grid) as image:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -130,14 +142,47 @@ def save_images(images, path: str, captions: list[str], nrow: int) -> Path:
     return target
 
 
+VIDEO_FORMATS = (".gif", ".png")  # generate, text-to-video models: a GIF or frame strips
+
+
+def _makes_clips(model) -> bool:
+    """Whether a flow model's rows are clips (a text-to-video pipeline)."""
+    return len(getattr(model, "output_shape", ())) == 4
+
+
+def _judged(task, model):
+    """The image task as ``model``'s outputs meet it: for a diffusers pipeline a
+    :class:`~diffusion_rl.recipes.flow_models.TaskView` (clips frame by frame, k× images
+    after a k × k area downsample); ``ValueError`` when its size is no multiple of the
+    task's."""
+    shape = getattr(model, "output_shape", None)
+    if shape is None:
+        return task
+    from ..recipes.flow_models import TaskView
+
+    size, height, width = task.config.image_size, shape[-2], shape[-1]
+    if height != width or height % size:
+        raise ValueError(
+            f"the model makes {height} × {width} images, no multiple of its task's "
+            f"image_size={size}"
+        )
+    return TaskView(task, height // size)
+
+
 def cmd_generate_images(args, loaded) -> int:
-    """``generate`` for a loaded flow (image) model: a captioned grid of the samples."""
+    """``generate`` for a loaded flow (image) model: a captioned grid of the samples (for a
+    text-to-video model, an animated GIF of the clips or PNG frame strips)."""
     from ..sampling.flow import sample_flow
     from ..tasks.geneval import parse_prompt
 
     _check_kind_flags(args, "flow")
-    _check_output(args, tuple(IMAGE_FORMATS), "an image model's grid is written as")
-    output = args.output or "samples.png"
+    clips = _makes_clips(loaded.model)
+    if clips:
+        _check_output(args, VIDEO_FORMATS, "a text-to-video model's clips are written as")
+        output = args.output or "samples.gif"
+    else:
+        _check_output(args, tuple(IMAGE_FORMATS), "an image model's grid is written as")
+        output = args.output or "samples.png"
     samples = args.samples or 1
     prompts = [p for _ in range(samples) for p in args.prompt]  # sample-major
     if len(prompts) > MAX_IMAGES:
@@ -158,14 +203,23 @@ def cmd_generate_images(args, loaded) -> int:
     if task_info.get("name") == "geneval":  # mark what the verifier finds right
         from ..tasks.geneval import GenEvalTask
 
-        task = GenEvalTask.from_info(task_info)
+        task = _judged(GenEvalTask.from_info(task_info), loaded.model)
         for i, prompt in enumerate(prompts):
             try:
                 verdict = task.verify(images[i : i + 1], [parse_prompt(prompt)])[0]["overall"]
             except ValueError:
                 continue
             captions[i] = f"{prompt} {'ok' if verdict else 'x'}"
-    path = save_images(images, output, captions, nrow=min(8, len(prompts)))
+    if clips:
+        from ..plots import save_video_gif, save_video_strip
+
+        nrow, upscale = min(8, len(prompts)), _upscale(images)
+        if output.lower().endswith(".gif"):
+            path = save_video_gif(images, output, nrow=nrow, upscale=upscale)
+        else:
+            path = save_video_strip(images, output, captions=captions, upscale=upscale)
+    else:
+        path = save_images(images, output, captions, nrow=min(8, len(prompts)))
     for seed, caption in zip(seeds, captions):
         print(f"seed {seed}: {caption}")
     print(f"grid written to {path}")
@@ -260,6 +314,11 @@ def cmd_eval_images(args, loaded) -> int:
     samples = args.samples or 16
     _check_seeds(args, samples * len(task.prompts(args.split)))
     sampler = _serving_sampler(args, loaded.info)
+    pipeline = hasattr(loaded.model, "output_shape")  # a diffusers pipeline: small batches
+    try:
+        task = _judged(task, loaded.model)
+    except ValueError as error:
+        raise UsageError(f"--model: {args.model}: {error}") from None
     result = evaluate_images(
         loaded.model,
         task,
@@ -267,6 +326,7 @@ def cmd_eval_images(args, loaded) -> int:
         samples_per_prompt=samples,
         split=args.split,
         seed=args.seed,
+        batch_size=(sampler.micro_batch_size or 8) if pipeline else 128,
     )
     print(
         f"accuracy {result.accuracy:.3f} on {result.num_images} {args.split} images "
@@ -290,7 +350,7 @@ def cmd_eval_tokens(args, loaded) -> int:
     _check_seeds(args, examples)
     sampler = _token_sampler(args, loaded.info)
     task_info = dict(loaded.info.get("task", {"name": "arithmetic"}))
-    task = get_task(task_info.pop("name"), **task_info)
+    task = get_task(task_info.pop("name"), tokenizer=loaded.tokenizer, **task_info)
     result = evaluate_task(
         loaded.model,
         task,
@@ -317,7 +377,10 @@ def _dispatch(table: dict, args) -> int:
     from ..models.io import load_model
 
     try:
-        loaded = load_model(args.model)
+        if (Path(args.model) / "model_index.json").is_file():
+            loaded = _load_pipeline_directory(args.model)
+        else:
+            loaded = load_model(args.model)
     except (FileNotFoundError, ValueError) as error:
         raise UsageError(f"--model: {error}") from error
     if loaded.kind not in table:
@@ -326,6 +389,16 @@ def _dispatch(table: dict, args) -> int:
             f"{' and '.join(sorted(table))} models"
         )
     return table[loaded.kind](args, loaded)
+
+
+def _load_pipeline_directory(path: str):
+    """A local diffusers pipeline directory as a flow model (its default resolution, the
+    text cache on, no recorded task or sampler)."""
+    from ..models.flow_pipelines import flow_directory_kind, load_pipeline_model
+    from ..models.io import LoadedModel
+
+    kind, _ = flow_directory_kind(path)
+    return LoadedModel(load_pipeline_model(path, kind).eval(), "flow", None, {})
 
 
 def cmd_generate_workflow(args) -> int:

@@ -291,6 +291,7 @@ class FlowSFTRecipeConfig(RunConfig):
     sampler: FlowSamplerConfig = FlowSamplerConfig(**FLOW_SAMPLER_DEFAULTS)
     batch_size: int = Field(default=64, gt=0)
     micro_batch_size: int | None = Field(default=None, gt=0)
+    activation_checkpointing: bool = False  # pipeline models (docs/flow_models.md)
     eval_samples_per_prompt: int = Field(default=4, gt=0)
     grid_images: int = Field(default=16, ge=0)
 
@@ -359,6 +360,7 @@ class FlowGRPORecipeConfig(RunConfig):
     ema_decay: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False)
     allow_off_policy: bool = False
     offload_device: str | None = None
+    activation_checkpointing: bool = False  # pipeline models (docs/flow_models.md)
     eval_samples_per_prompt: int = Field(default=4, gt=0)
     grid_images: int = Field(default=16, ge=0)
 

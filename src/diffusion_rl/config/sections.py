@@ -14,6 +14,7 @@ null, to some built-in text task: the recipe checks the recorded task once it is
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -91,14 +92,19 @@ ModelKind = Literal["token", "flow"]
 
 
 class ModelRef(BaseModel):
-    """A model directory to start from: ``path`` (any directory ``load_model`` reads) and the
-    ``kind`` it must be (``token`` or ``flow``; null: whatever the recipe needs)."""
+    """A model directory to start from: ``path`` (any directory ``load_model`` reads: built-in,
+    a Hugging Face LLaDA / Dream / SDAR checkpoint, a diffusers pipeline, a LoRA run), the
+    ``kind`` it must be (``token`` or ``flow``; null: whatever the recipe needs), ``lora``
+    (train only a LoRA adapter), ``dtype`` of the weights (null: as saved) and
+    ``trust_remote_code`` (off: no code from the directory runs; docs/models.md)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     kind: ModelKind | None = None
     path: str
     lora: LoraSettings | None = None  # train only LoRA adapters (peft); null: every weight
+    dtype: Literal["float32", "bfloat16"] | None = None  # the weights; null: as saved
+    trust_remote_code: bool = False  # admit a tokenizer class from the directory's own code
 
     @field_validator("path")
     @classmethod
@@ -126,9 +132,82 @@ class ModelSection(ModelRef):
         return self
 
 
-class FlowModelSection(ModelRef):
+FlowKind = Literal["builtin", "sd3", "flux", "wan", "wan_i2v", "flow"]
+FLOW_PIPELINE_KINDS = ("sd3", "flux", "wan", "wan_i2v")
+# The pipeline options, the kinds each applies to (docs/flow_models.md).
+FLOW_PIPELINE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "dtype": FLOW_PIPELINE_KINDS,
+    "height": FLOW_PIPELINE_KINDS,
+    "width": FLOW_PIPELINE_KINDS,
+    "num_frames": ("wan", "wan_i2v"),
+    "max_sequence_length": FLOW_PIPELINE_KINDS,
+    "embedded_guidance": ("flux",),
+    "negative_prompt": FLOW_PIPELINE_KINDS,
+}
+
+
+def flow_option_problems(section: Any, kind: str) -> list[tuple[str, str]]:
+    """``(key, message)`` for each pipeline option ``section`` sets that a model of ``kind``
+    (``builtin`` or a pipeline kind) does not take; the default ``dtype`` (float32) and the
+    unset (null) options are never a problem."""
+    problems = []
+    for key, kinds in FLOW_PIPELINE_OPTIONS.items():
+        value = getattr(section, key)
+        if value is None or (key == "dtype" and value == "float32") or kind in kinds:
+            continue
+        if kind == "builtin":
+            why = "the built-in model's sizes come from its directory or the task"
+            if key == "dtype":
+                why = "built-in flow models keep float32 weights (precision: bf16 computes in bf16)"
+            message = f"applies to pipeline models (kind {' | '.join(kinds)}); {why}"
+        else:
+            message = f"applies to kind {' | '.join(kinds)} only, not {kind}"
+        problems.append((key, message))
+    return problems
+
+
+class FlowModelRef(ModelRef):
+    """A flow model to start from: a built-in model directory or a local diffusers pipeline
+    directory (``kind``: ``builtin``, ``sd3``, ``flux``, ``wan``, ``wan_i2v``; null or
+    ``flow``: read from the directory), with the pipeline options (docs/flow_models.md).
+
+    ``lora``: train a LoRA (a pipeline's transformer, or a saved built-in model; the
+    reference is the model with its LoRA off);
+    ``dtype``: the pipeline's weights; ``height`` / ``width`` (pixels; null: the task's
+    image size), ``num_frames`` (Wan; null: the task's, or the pipeline's 81),
+    ``max_sequence_length`` (text tokens; null: the pipeline's), ``embedded_guidance`` (FLUX
+    guidance-distilled checkpoints; null: 3.5), ``negative_prompt`` (the unconditional
+    prompt; null: ""), ``text_cache_size``: prompts whose text embeddings are kept.
+    """
+
+    kind: FlowKind | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    height: int | None = Field(default=None, gt=0)
+    width: int | None = Field(default=None, gt=0)
+    num_frames: int | None = Field(default=None, gt=0)
+    max_sequence_length: int | None = Field(default=None, gt=0)
+    embedded_guidance: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    negative_prompt: str | None = None
+    text_cache_size: int = Field(default=64, ge=0, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _options_fit_the_kind(self) -> FlowModelRef:
+        if self.trust_remote_code:
+            raise ValueError(
+                "trust_remote_code: flow models load with diffusers' stock classes and never "
+                "run a directory's own code; leave it false"
+            )
+        kind = "builtin" if self.kind == "flow" else self.kind
+        if kind is not None:
+            problems = flow_option_problems(self, kind)
+            _raise_problems(type(self).__name__, [_problem((k,), m) for k, m in problems])
+        return self
+
+
+class FlowModelSection(FlowModelRef):
     """A new built-in :class:`~diffusion_rl.models.dit.FlowDiT` of this size, or ``path`` to
-    a saved FlowDiT directory. Image size and prompt vocabulary come from the task."""
+    a saved flow model directory or a local diffusers pipeline directory (the pipeline
+    options of :class:`FlowModelRef`). Image size and prompt vocabulary come from the task."""
 
     path: str | None = None
     patch_size: int = Field(default=4, gt=0)
@@ -141,6 +220,11 @@ class FlowModelSection(ModelRef):
     def _heads_divide_width(self) -> FlowModelSection:
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads: must divide d_model={self.d_model}, got {self.n_heads}")
+        if self.path is None and self.kind in FLOW_PIPELINE_KINDS:
+            raise ValueError(
+                f"path: kind {self.kind} loads a local diffusers pipeline directory; set "
+                "model.path to it (leave kind null for a new built-in FlowDiT)"
+            )
         return self
 
 
@@ -154,7 +238,7 @@ class TeacherSection(ModelRef):
     path: str = "runs/quickstart/grpo/model"
 
 
-class FlowPolicyModelSection(ModelRef):
+class FlowPolicyModelSection(FlowModelRef):
     path: str = "runs/flow_sft/model"
 
 
@@ -164,7 +248,9 @@ class FlowPolicyModelSection(ModelRef):
 
 
 class TaskSection(BaseModel):
-    """``name`` picks a built-in task; the other keys are that task's settings.
+    """``name`` picks a text task (``arithmetic``, ``countdown``, ``sudoku``, or ``math``:
+    word problems from a local file, whose ``path`` must exist); the other keys are that
+    task's settings (see docs/tasks.md).
 
     After validation the extra keys are the task's full settings (defaults filled in,
     normalised by the task's config class), except ``block_size``, which comes from
@@ -218,8 +304,12 @@ def _token_task_problems(section: TaskSection, block_size: int) -> list[InitErro
             if tuple(problem["loc"]) == ("task", "block_size"):
                 problem["loc"] = ("sampler", "block_size")
         return problems
-    except ValueError as error:
-        return [_problem(("task",), str(error))]
+    except (ValueError, ImportError) as error:  # a dataset task's file, or datasets missing
+        message = str(error)
+        key = re.match(r"task\.(\w+): ", message)  # "task.KEY: ...": the key it is about
+        if key:
+            return [_problem(("task", key.group(1)), message[key.end() :])]
+        return [_problem(("task",), message)]
     return []
 
 
@@ -269,9 +359,14 @@ class RewardSection(BaseModel):
 # task's own verifier (exact answer; partial credit per digit); ``math`` compares the
 # completion's final answer with the example's ``answer`` string through math-verify (pip
 # install 'diffusion-rl[math]'). ``countdown`` needs examples with ``numbers`` and ``target``
-# and ``sudoku`` a ``puzzle``: no built-in task has those (they serve tasks of your own, from
-# Python), so no built-in recipe config can use them.
-TASK_REWARDS: dict[str, tuple[str, ...]] = {"arithmetic": ("verifier", "digits", "math")}
+# (the countdown task's) and ``sudoku`` a ``puzzle`` (the sudoku task's). The math task (a
+# local file of word problems) is verified by math-verify: its verifier is the math reward.
+TASK_REWARDS: dict[str, tuple[str, ...]] = {
+    "arithmetic": ("verifier", "digits", "math"),
+    "countdown": ("verifier", "countdown"),
+    "sudoku": ("verifier", "sudoku"),
+    "math": ("verifier", "math"),
+}
 _TASK_BOUND_REWARDS = ("verifier", "digits")  # built with task=...: they take no options
 _REWARD_NEEDS = {
     "countdown": "examples with 'numbers' and 'target'",
@@ -368,14 +463,20 @@ def check_rewards_for_task(rewards: Sequence[Any], task_name: str) -> None:
         raise ConfigError("\n".join(lines))
 
 
-IMAGE_REWARDS = ("geneval", "compressibility")
+# clip_score, pickscore, aesthetic and ocr are reward models from local directories
+# (diffusion_rl.reward_models, docs/rewards.md); the CLIP ones need ``options: {path: DIR}``.
+IMAGE_REWARDS = ("geneval", "compressibility", "clip_score", "pickscore", "aesthetic", "ocr")
 VIDEO_REWARDS = ("motion",)
 
 
 class ImageRewardSection(RewardSection):
     """One image reward term: ``geneval`` (mini-GenEval attribute correctness; options
-    ``mode: mean | all``, ``min_area``) or ``compressibility`` (options ``format``,
-    ``quality``, ``unit``), its ``weight`` and options."""
+    ``mode: mean | all``, ``min_area``), ``compressibility`` (options ``format``,
+    ``quality``, ``unit``), or a reward model (docs/rewards.md): ``clip_score`` /
+    ``pickscore`` (options ``path`` required, ``scale``, ``device``, ``dtype``,
+    ``batch_size``), ``aesthetic`` (``path`` and ``head`` required, ``activation``, ...),
+    ``ocr`` (``text_field``, ``detect``, ``ignore_case``, ``ignore_spaces``); its ``weight``
+    and options."""
 
     name: str = "geneval"
 

@@ -230,6 +230,7 @@ class FlowDiT(nn.Module):
     config_class = FlowDiTConfig
     size_limits = SIZE_LIMITS
     parameter_count = staticmethod(parameter_count)
+    lora_targets = ("qkv", "proj", "mlp.0", "mlp.2")  # default LoRA targets (peft)
     # The keys ``forward`` needs in ``cond`` and what an error about them says to do.
     conditioning_keys: tuple[str, ...] = ("prompt_ids", "prompt_mask")
     conditioning_fix = "build it with encode_prompts / empty_condition"

@@ -30,17 +30,29 @@ config alone by :func:`estimate_parameters`, plus the weights file read beside t
 in the memory available (:func:`available_memory`). Any failure is a
 :class:`ModelConfigError` (a ``ValueError``) naming the file and the field, or a
 :class:`ModelTooLargeError` with the estimate, raised in well under a second.
+
+Hugging Face token checkpoints (LLaDA, Dream, SDAR: docs/models.md) are read from their own
+directories, chosen by ``config.json``'s ``model_type`` (case-insensitive) in
+:data:`HF_MODEL_TYPES`, whose adapters are imported only when one is loaded. The same checks
+apply (the adapter's ``parameter_count`` validates the family config), plus the loading
+safety rules: weights are safetensors only (pickle ``*.bin`` / ``*.pt`` are refused), no code
+from the directory is run (a tokenizer that is remote code needs ``trust_remote_code=True``),
+and a path that is not a local directory but looks like a Hub id fails at once
+(:func:`check_local_directory`: no network, with or without ``HF_HUB_OFFLINE``).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -48,6 +60,15 @@ from pydantic import BaseModel, ValidationError
 
 from .dit import MODEL_TYPE as FLOW_DIT_MODEL_TYPE
 from .dit import FlowDiT
+from .flow_pipelines import PIPELINE_MODEL_TYPE, PipelineModel
+from .loading import (  # noqa: F401 (re-exported: every loader's shared checks)
+    MAX_JSON_BYTES,
+    HubIdError,
+    ModelConfigError,
+    check_local_directory,
+    refuse_hub_id,
+)
+from .lora import is_lora_directory, load_lora_model
 from .tokenizer import CharTokenizer
 from .transformer import MODEL_TYPE as TRANSFORMER_MODEL_TYPE
 from .transformer import DiffusionTransformer
@@ -57,8 +78,6 @@ from .video_dit import VideoDiT
 CONFIG_FILE = "config.json"
 INFO_FILE = "diffusion_rl.json"
 TOKENIZER_FILE = "tokenizer.json"
-MAX_JSON_BYTES = 16 << 20
-"""The largest ``config.json``, :data:`INFO_FILE` or ``tokenizer.json`` read (16 MiB)."""
 
 SAMPLER_LIMITS: dict[str, int] = {
     "generation_length": 1 << 20,
@@ -67,12 +86,6 @@ SAMPLER_LIMITS: dict[str, int] = {
     "num_steps": 10_000,
 }
 """The largest sizes the ``sampler`` recorded in :data:`INFO_FILE` may hold (each also >= 1)."""
-
-
-class ModelConfigError(ValueError):
-    """A model directory's ``config.json`` or :data:`INFO_FILE` that is not valid JSON, fails
-    its checks, or asks for sizes beyond the documented limits; the message names the file and
-    the field."""
 
 
 class ModelTooLargeError(ModelConfigError):
@@ -104,6 +117,7 @@ class ModelType:
 
     kind: ModelKind
     loader: type
+    hf: bool = False  # a Hugging Face family (HF_MODEL_TYPES): its own config.json and weights
 
     @property
     def config_class(self) -> type[BaseModel] | None:
@@ -131,6 +145,9 @@ def register_model_type(model_type: str, loader: type, kind: ModelKind) -> None:
 register_model_type(TRANSFORMER_MODEL_TYPE, DiffusionTransformer, "token")
 register_model_type(FLOW_DIT_MODEL_TYPE, FlowDiT, "flow")
 register_model_type(VIDEO_DIT_MODEL_TYPE, VideoDiT, "flow")
+# A trained diffusers pipeline (base pipeline path + LoRA or transformer weights); diffusers is
+# imported only when one is loaded (models/flow_pipelines.py, docs/flow_models.md).
+register_model_type(PIPELINE_MODEL_TYPE, PipelineModel, "flow")
 
 MODEL_LIMITS: dict[str, Mapping[str, int | float]] = {
     TRANSFORMER_MODEL_TYPE: DiffusionTransformer.size_limits,
@@ -142,22 +159,81 @@ built-in config classes enforce them: :data:`~diffusion_rl.models.transformer.SI
 :data:`~diffusion_rl.models.dit.SIZE_LIMITS`,
 :data:`~diffusion_rl.models.video_dit.VIDEO_SIZE_LIMITS`)."""
 
+HF_MODEL_TYPES: dict[str, str] = {
+    "llada": "diffusion_rl.models.hf.llada:LLaDADenoiser",
+    "dream": "diffusion_rl.models.hf.dream:DreamDenoiser",
+    "sdar": "diffusion_rl.models.hf.sdar:SDARDenoiser",
+}
+"""Hugging Face token families: lower-cased ``config.json`` ``model_type`` → ``"module:Class"``
+of the adapter (an :class:`~diffusion_rl.models.hf.common.HFTokenDenoiser`), imported only
+when a directory of that type is loaded; extend with :func:`register_hf_family`."""
+
+
+def register_hf_family(model_type: str, target: str) -> None:
+    """Make :func:`load_model` read Hugging Face directories whose ``config.json`` says
+    ``model_type`` (any case) with the adapter ``target`` (``"package.module:Class"``)."""
+    if not isinstance(target, str) or target.count(":") != 1:
+        raise ValueError(f"target: expected 'package.module:Class', got {target!r}")
+    HF_MODEL_TYPES[model_type.lower()] = target
+
+
+def _hf_entry(model_type: str, config_path: Path) -> ModelType:
+    """The adapter class of a Hugging Face family, imported now."""
+    module_name, class_name = HF_MODEL_TYPES[model_type.lower()].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+        raise ModelConfigError(
+            f"{config_path}: model_type {model_type!r}: its adapter {module_name} is not "
+            "available in this installation of diffusion_rl"
+        ) from None
+    return ModelType("token", getattr(module, class_name), hf=True)
+
+
+def _hf_class_of(model) -> ModelType | None:
+    """The Hugging Face family entry ``model`` is an instance of (adapters already imported)."""
+    for target in HF_MODEL_TYPES.values():
+        module_name, class_name = target.split(":")
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is not None and isinstance(model, cls):
+            return ModelType("token", cls, hf=True)
+    return None
+
 
 @dataclass(frozen=True)
 class LoadedModel:
     """What :func:`load_model` read: ``model`` (in eval mode), its ``kind`` (``"token"`` or
-    ``"flow"``), ``tokenizer`` (a :class:`CharTokenizer` for token models, ``None`` for flow
+    ``"flow"``), ``tokenizer`` (a :class:`CharTokenizer` for built-in token models, an
+    :class:`~diffusion_rl.models.hf.HFTokenizer` for Hugging Face ones, ``None`` for flow
     models) and ``info`` (``task``, ``sampler``, ``trained_steps``, ...; ``{}`` when the
     directory has no :data:`INFO_FILE`)."""
 
     model: Any
     kind: ModelKind
-    tokenizer: CharTokenizer | None = None
+    tokenizer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
 
 
 def _known() -> str:
-    return f"known model types: {sorted(MODEL_TYPES)}"
+    return (
+        f"known model types: {sorted(MODEL_TYPES)}; Hugging Face token families (any case): "
+        f"{sorted(HF_MODEL_TYPES)}"
+    )
+
+
+def _unknown_type(config: dict[str, Any], model_type: Any, config_path: Path) -> str:
+    what = "no model_type" if model_type is None else f"unknown model_type {model_type!r}"
+    auto_map = config.get("auto_map")
+    if not auto_map:
+        return f"{config_path}: {what}; {_known()}"
+    return (
+        f"{config_path}: {what}, whose architecture needs remote code (auto_map {auto_map}) "
+        "and has no stock mapping here; diffusion_rl never runs a checkpoint's modeling code "
+        "(trust_remote_code=True only admits a tokenizer's), so this model needs an adapter "
+        f"(register_hf_family); {_known()}"
+    )
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -207,10 +283,11 @@ def _resolve(directory: Path) -> tuple[dict[str, Any], ModelType]:
             f"{type(config).__name__}; {_known()}"
         )
     model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
-        what = "no model_type" if model_type is None else f"unknown model_type {model_type!r}"
-        raise ModelConfigError(f"{config_path}: {what}; {_known()}")
-    return config, MODEL_TYPES[model_type]
+    if isinstance(model_type, str) and model_type in MODEL_TYPES:
+        return config, MODEL_TYPES[model_type]
+    if isinstance(model_type, str) and model_type.lower() in HF_MODEL_TYPES:
+        return config, _hf_entry(model_type, config_path)
+    raise ModelConfigError(_unknown_type(config, model_type, config_path))
 
 
 def describe_field_error(item: Mapping[str, Any]) -> str:
@@ -306,6 +383,10 @@ def estimate_parameters(config: Mapping[str, Any]) -> int:
             names the field), or a model type registered without a formula.
     """
     model_type = config.get("model_type")
+    hf = isinstance(model_type, str) and model_type.lower() in HF_MODEL_TYPES
+    if hf and model_type not in MODEL_TYPES:
+        path = Path(CONFIG_FILE)
+        return _hf_parameter_count(_hf_entry(model_type, path), dict(config), path)
     if model_type not in MODEL_TYPES:
         raise ModelConfigError(f"{CONFIG_FILE}: unknown model_type {model_type!r}; {_known()}")
     entry = MODEL_TYPES[model_type]
@@ -349,8 +430,18 @@ def format_bytes(count: float) -> str:
     )
 
 
-def _check_memory(num_parameters: int, config_path: Path) -> None:
-    required, available = estimate_load_bytes(num_parameters), available_memory()
+def _hf_parameter_count(entry: ModelType, config: dict[str, Any], config_path: Path) -> int:
+    """The adapter's count (which validates the family config), errors prefixed by the file."""
+    try:
+        return entry.loader.parameter_count(config)
+    except ValueError as error:  # ModelConfigError, or an adapter's own ValueError
+        raise ModelConfigError(f"{config_path}: {error}") from None
+
+
+def _check_memory(num_parameters: int, config_path: Path, required: int | None = None) -> None:
+    if required is None:
+        required = estimate_load_bytes(num_parameters)
+    available = available_memory()
     if available is not None and required > available:
         raise ModelTooLargeError(
             f"{config_path}: a model of {num_parameters:,} parameters would need "
@@ -361,13 +452,19 @@ def _check_memory(num_parameters: int, config_path: Path) -> None:
         )
 
 
-def check_model_directory(path: str | Path) -> dict[str, Any]:
+def check_model_directory(path: str | Path, *, dtype: torch.dtype | str | None = None) -> dict:
     """Every check :func:`load_model` makes before building the model in ``path`` (module
     docstring): returns ``{"model_type", "kind", "config", "info", "num_parameters",
-    "load_bytes"}`` (``config`` the validated config object, ``num_parameters`` /
-    ``load_bytes`` None for a loader without a formula). Allocates nothing but the JSON."""
+    "load_bytes"}`` (``config`` the validated config object — for a Hugging Face family the
+    ``config.json`` object —, ``num_parameters`` / ``load_bytes`` None for a loader without a
+    formula). Allocates nothing but the JSON (and, for a Hugging Face family, the
+    safetensors headers; its load estimate is the parameters in ``dtype``, default the stored
+    one, plus the largest weights file)."""
+    refuse_hub_id(path, "model directory")
     directory = Path(path)
     raw, entry = _resolve(directory)
+    if entry.hf:
+        return _check_hf_directory(directory, raw, entry, dtype)
     config = _model_config(raw, entry, directory / CONFIG_FILE)
     info = _read_info(directory)
     _check_info(info, config, directory / INFO_FILE)
@@ -394,8 +491,63 @@ def check_model_directory(path: str | Path) -> dict[str, Any]:
     }
 
 
-def _load(directory: Path, entry: ModelType, info: dict[str, Any]) -> LoadedModel:
+def _check_hf_directory(directory: Path, raw: dict, entry: ModelType, dtype) -> dict[str, Any]:
+    from .hf.common import find_checkpoint, resolve_dtype
+
+    config_path = directory / CONFIG_FILE
+    info = _read_info(directory)
+    count = _hf_parameter_count(entry, raw, config_path)
+    max_seq_len = getattr(entry.loader, "max_seq_len_of", None)
+    limits = None if max_seq_len is None else SimpleNamespace(max_seq_len=max_seq_len(raw))
+    _check_info(info, limits, directory / INFO_FILE)
+    checkpoint = find_checkpoint(directory)  # safetensors only
+    resolved = resolve_dtype(dtype)
+    itemsize = checkpoint.stored_itemsize if resolved is None else resolved.itemsize
+    required = count * itemsize + checkpoint.largest_file_bytes
+    _check_memory(count, config_path, required)
+    return {
+        "model_type": raw["model_type"],
+        "kind": entry.kind,
+        "config": raw,
+        "info": info,
+        "num_parameters": count,
+        "load_bytes": required,
+    }
+
+
+def _entry_of(model_type: str, directory: Path) -> ModelType:
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    return _hf_entry(model_type, directory / CONFIG_FILE)
+
+
+def _load(
+    directory: Path,
+    entry: ModelType,
+    info: dict[str, Any],
+    *,
+    dtype=None,
+    device=None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    if entry.hf:
+        from .hf.tokenizer import HFTokenizer
+
+        model = entry.loader.from_pretrained(
+            directory, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+        ).eval()
+        tokenizer = HFTokenizer.from_pretrained(
+            directory,
+            vocab_size=model.vocab_size,
+            mask_id=model.mask_token_id,
+            trust_remote_code=trust_remote_code,
+        )
+        return LoadedModel(model, "token", tokenizer, info)
     model = entry.loader.from_pretrained(directory).eval()
+    if dtype is not None or device is not None:
+        from .hf.common import resolve_dtype
+
+        model = model.to(device=device, dtype=resolve_dtype(dtype))
     tokenizer = None
     if entry.kind == "token":
         tokenizer = CharTokenizer.load(directory)
@@ -411,9 +563,21 @@ def _load(directory: Path, entry: ModelType, info: dict[str, Any]) -> LoadedMode
     return LoadedModel(model, entry.kind, tokenizer, info)
 
 
-def load_model(path: str | Path) -> LoadedModel:
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
     """The model saved in the model directory ``path`` (see the module docstring), whatever its
-    kind: the class is chosen by ``config.json``'s ``model_type`` (:data:`MODEL_TYPES`).
+    kind: the class is chosen by ``config.json``'s ``model_type`` (:data:`MODEL_TYPES`, then
+    the Hugging Face families of :data:`HF_MODEL_TYPES`).
+
+    ``dtype`` (``torch.bfloat16`` or ``"bf16"``, ...) and ``device`` place the weights (default:
+    a Hugging Face checkpoint keeps its stored dtype, a built-in model float32; CPU).
+    ``trust_remote_code`` admits a Hugging Face tokenizer whose class is the directory's own
+    code; a model's code is never run (the families use transformers' stock classes).
 
     For a flow model whose info lacks ``task``, ``info["task"]`` is the one recorded in the
     model's config.
@@ -430,16 +594,36 @@ def load_model(path: str | Path) -> LoadedModel:
             message lists the known ones), a size is not an integer or beyond
             :data:`MODEL_LIMITS` / :data:`SAMPLER_LIMITS` (the message names the field).
         ValueError: the tokenizer does not match the model.
+        HubIdError: (a ``ValueError``) ``path`` is not a local directory and looks like a Hub
+            id (raised before anything is read; see :func:`check_local_directory`).
+        CheckpointFormatError / CheckpointKeyError: (``ValueError``) a Hugging Face directory
+            whose weights are not safetensors, or do not match its ``config.json``.
     """
+    if not isinstance(trust_remote_code, bool):
+        raise TypeError(f"trust_remote_code: expected a bool, got {trust_remote_code!r}")
+    refuse_hub_id(path, "model directory")
     directory = Path(path)
-    checked = check_model_directory(directory)
-    return _load(directory, MODEL_TYPES[checked["model_type"]], checked["info"])
+    if is_lora_directory(directory):  # the base directory's model, then the adapter
+        return load_lora_model(directory, load_model)
+    checked = check_model_directory(directory, dtype=dtype)
+    entry = _entry_of(checked["model_type"], directory)
+    return _load(
+        directory,
+        entry,
+        checked["info"],
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+    )
 
 
 def _entry_for(model) -> ModelType:
     for entry in MODEL_TYPES.values():
         if isinstance(model, entry.loader):
             return entry
+    hf_entry = _hf_class_of(model)
+    if hf_entry is not None:
+        return hf_entry
     classes = sorted({entry.loader.__name__ for entry in MODEL_TYPES.values()})
     raise TypeError(
         f"save_model: model: expected an instance of a registered model class {classes}, "

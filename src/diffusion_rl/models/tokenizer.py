@@ -6,6 +6,7 @@ Invariants:
 * Character ``chars[k]`` has id ``3 + k``; ``vocab_size == 3 + len(chars)``.
 * ``name`` depends only on the format version and the vocabulary, so two tokenizers with the
   same name map text to ids identically (safe to record in checkpoint metadata).
+* ``chat_prompt(text)`` is the identity: one token per character, no chat template.
 """
 
 from __future__ import annotations
@@ -152,6 +153,13 @@ class CharTokenizer:
                 f"{tuple(ids.shape)}"
             )
         return [self.decode(row, stop_at_eos=stop_at_eos) for row in ids]
+
+    def chat_prompt(self, text: str) -> str:
+        """``text`` unchanged: a character tokenizer has no chat template (the duck interface
+        a tokenizer offers the tasks; an ``HFTokenizer`` applies its directory's template)."""
+        if not isinstance(text, str):
+            raise TypeError(f"CharTokenizer.chat_prompt: expected a str, got {type(text).__name__}")
+        return text
 
     # ------------------------------------------------------------------ save / load
     def to_dict(self) -> dict:

@@ -179,6 +179,7 @@ class DiffusionTransformer(nn.Module):
     config_class = TransformerConfig
     size_limits = SIZE_LIMITS
     parameter_count = staticmethod(parameter_count)
+    lora_targets = ("attn.qkv", "attn.out", "mlp.0", "mlp.2")  # default LoRA targets (peft)
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()

@@ -24,12 +24,24 @@ from ..evaluation import (
 )
 from ..models.dit import FlowDiT, FlowDiTConfig
 from ..models.io import LoadedModel, load_model, save_model
+from ..models.lora import add_lora, has_lora, merge_lora, save_lora_model
 from ..models.video_dit import VideoDiT, VideoDiTConfig
 from ..plots import save_image_grid, save_video_gif, save_video_strip
-from ..tasks import get_task
+from ..tasks import TokenizerMismatchError, get_task
 from ..tasks.geneval import GenEvalTask
 from ..tasks.motion import MotionTask
 from ..train.trainer import LossFn, Trainer
+
+# The flow recipes' model: built-in or a diffusers pipeline (recipes/flow_models.py).
+from .flow_models import (  # noqa: F401, E402 - re-exported for flow-sft and flow-grpo
+    FlowActor,
+    FrameMeanReward,
+    TaskView,
+    evaluate_pipeline_model,
+    flow_start,
+    load_builtin,
+    load_pipeline_actor,
+)
 
 
 def trainer_factory(config: Any) -> Callable[[nn.Module, LossFn | None], Trainer]:
@@ -65,7 +77,7 @@ def load_ref(ref: ModelRef, kind: str, field: str) -> LoadedModel:
     if expected != kind:
         raise ConfigError(f"{field}.kind: this recipe trains {kind} models, got {ref.kind!r}")
     try:
-        loaded = load_model(ref.path)
+        loaded = load_model(ref.path, dtype=ref.dtype, trust_remote_code=ref.trust_remote_code)
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(f"{field}.path: {error}") from None
     if loaded.kind != kind:
@@ -75,32 +87,79 @@ def load_ref(ref: ModelRef, kind: str, field: str) -> LoadedModel:
     return loaded
 
 
+def with_lora(model, ref: ModelRef, field: str, seed: int):
+    """The loaded ``model`` as ``ref`` trains it. A model loaded from a LoRA directory has its
+    adapter merged first (it is the base of this run); then, with ``ref.lora``, a fresh LoRA
+    adapter (seeded by ``seed``; only its weights train, and the run's model directory
+    records ``ref.path`` as its base). Errors name ``field``."""
+    if has_lora(model):
+        merge_lora(model)
+    if ref.lora is None:
+        return model
+    if ref.path is None:
+        raise ConfigError(
+            f"{field}.lora: a LoRA adapter trains on a saved base model; set {field}.path "
+            f"(or {field}.lora: null to train a new model in full)"
+        )
+    try:
+        return add_lora(model, ref.lora, seed=seed, field=f"{field}.lora", base=ref.path)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 # ----------------------------------------------------------------------------- token world
-def token_task(section: TaskSection | None, block_size: int, model_info: dict, field: str):
+def token_task(
+    section: TaskSection | None,
+    block_size: int,
+    model_info: dict,
+    field: str,
+    tokenizer=None,
+    tokenizer_field: str = "model.path",
+):
     """The task a config section names, or (``section`` None) the task the model directory
-    records; its block size is the sampler's (one source of truth for model, data, sampler)."""
+    ``field`` records; its block size is the sampler's (one source of truth for model, data,
+    sampler). It encodes with ``tokenizer`` (the loaded model's, from the config key
+    ``tokenizer_field``; None: the task's own character tokenizer, for a new model). A
+    character tokenizer lacking the task's characters, or a task that cannot be built (e.g.
+    its data file), is a :class:`ConfigError` naming the key."""
     if section is not None:
         options = section.options()
         if "block_size" in options:
             raise ConfigError(
                 "task.block_size: set sampler.block_size instead (model, data and sampler share it)"
             )
-        return get_task(section.name, block_size=block_size, **options)
-    if "task" not in model_info:
-        raise ConfigError(f"task: {field} does not record its task; set task.name and its options")
-    options = dict(model_info["task"])
-    name = options.pop("name")
-    if options.get("block_size", block_size) != block_size:
-        raise ConfigError(
-            f"sampler.block_size: the model was trained with blocks of {options['block_size']}, "
-            f"got {block_size}"
-        )
+        name = section.name
+    else:
+        if "task" not in model_info:
+            raise ConfigError(
+                f"task: {field} does not record its task; set task.name and its options"
+            )
+        options = dict(model_info["task"])
+        name = options.pop("name")
+        if options.get("block_size", block_size) != block_size:
+            raise ConfigError(
+                f"sampler.block_size: the model was trained with blocks of "
+                f"{options['block_size']}, got {block_size}"
+            )
     options["block_size"] = block_size
-    return get_task(name, **options)
+    try:
+        return get_task(name, tokenizer=tokenizer, **options)
+    except TokenizerMismatchError as error:
+        raise ConfigError(f"{tokenizer_field}: {error}") from None
+    except (ValueError, ImportError) as error:  # e.g. a dataset file the tokenizer overflows
+        message = " ".join(str(error).split())
+        if section is not None:
+            raise ConfigError(message) from None
+        raise ConfigError(  # e.g. a recorded dataset file since moved
+            f"task: the {name} task {field} records cannot be built here: {message}; "
+            "set task to its settings"
+        ) from None
 
 
 def check_tokenizer(loaded: LoadedModel, task, field: str) -> None:
-    if loaded.tokenizer.name != task.tokenizer.name:
+    """The task encodes with the model's tokenizer (``token_task(..., loaded.tokenizer)``), or
+    one of the same name."""
+    if task.tokenizer is not loaded.tokenizer and loaded.tokenizer.name != task.tokenizer.name:
         raise ConfigError(
             f"{field}: the model uses tokenizer {loaded.tokenizer.name}, the task {task.tokenizer.name}"
         )
@@ -114,6 +173,9 @@ def save_token_model(directory, model, task, sampler, trained_steps: int) -> Non
         "sampler": sampler.model_dump(),
         "trained_steps": trained_steps,
     }
+    if has_lora(model):  # the adapter and the base directory's path, not a copy of the base
+        save_lora_model(directory, model, {"tokenizer": task.tokenizer.name, **info})
+        return
     save_model(directory, model, info, task.tokenizer)
 
 

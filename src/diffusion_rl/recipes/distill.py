@@ -31,6 +31,7 @@ from .common import (
     token_task,
     trainer_factory,
     weights_digest,
+    with_lora,
 )
 from .run import OnPolicyRecipe, run
 
@@ -49,10 +50,18 @@ class DistillRecipe(OnPolicyRecipe):
                 "needs one tokenizer"
             )
         self.task = task = token_task(
-            config.task, config.sampler.block_size, student.info, config.student.path
+            config.task,
+            config.sampler.block_size,
+            student.info,
+            config.student.path,
+            student.tokenizer,
+            "student.path",
         )
         check_tokenizer(student, task, "student.path")
-        self.model = student.model.to(config.device)
+        if config.teacher.lora is not None:
+            raise ConfigError("teacher.lora: the teacher is frozen; set student.lora to train one")
+        self.model = with_lora(student.model, config.student, "student", config.seed)
+        self.model.to(config.device)
         self.roles = PolicyRoles(self.model, reference=teacher.model.to(config.device))
         self.teacher = self.roles.reference
         loss = DistillationLoss(config.objective)

@@ -13,6 +13,13 @@ Evaluation: held-out prompts with the ODE sampler at fixed seeds, before trainin
 ``after.png``. With ``ema_decay`` the evaluated and saved model is an exponential moving
 average of the actor's weights (``AveragedModel``, updated after every learner step and kept
 in the checkpoints); rollouts always use the live actor. On the run loop.
+
+The model (``model.path``) is a built-in flow model directory or a local diffusers pipeline
+directory (SD3, FLUX, Wan text-to-video; docs/flow_models.md), trained in full or, with
+``model.lora``, as a LoRA whose reference (β > 0) is the same model with its LoRA switched off
+(no second copy). A pipeline makes images at the task's size (checked); a Wan clip is scored
+frame by frame (:class:`~diffusion_rl.recipes.flow_models.FrameMeanReward`). The final model
+of a pipeline run is a pipeline model directory (the base path and the trained weights).
 """
 
 from __future__ import annotations
@@ -23,8 +30,7 @@ from typing import Any
 
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from ..config import FlowGRPORecipeConfig
-from ..models.io import save_model
+from ..config import ConfigError, FlowGRPORecipeConfig
 from ..objectives.flow_grpo import FlowGRPOLoss
 from ..rewards import CombinedReward, get_reward
 from ..rollout import FlowSource
@@ -32,13 +38,20 @@ from ..train.learner import PolicyLearner
 from ..train.plans import FlowPolicyPlan
 from ..train.roles import PolicyRoles
 from .common import (
+    FlowActor,
+    FrameMeanReward,
     before_after,
     check_model_fits_task,
+    eval_record,
     evaluate_image_model,
+    evaluate_pipeline_model,
+    flow_start,
     image_task,
-    load_ref,
+    load_builtin,
+    load_pipeline_actor,
     trainer_factory,
     weights_digest,
+    with_lora,
 )
 from .run import OnPolicyRecipe, run
 
@@ -50,11 +63,26 @@ class FlowGRPORecipe(OnPolicyRecipe):
     def __init__(self, config: FlowGRPORecipeConfig) -> None:
         self.config = config
         policy, sampler = config.policy, config.sampler
-        loaded = load_ref(config.model, "flow", "model")
-        self.task = task = image_task(config.task, loaded.info, config.model.path)
+        start = flow_start(config.model)
+        if start.pipeline:
+            if config.ema_decay is not None:
+                raise ConfigError(
+                    "ema_decay: not supported for pipeline models (the average would copy the "
+                    "whole pipeline); set ema_decay: null"
+                )
+            self.task = task = image_task(config.task, start.info, config.model.path)
+            model, options, scale = load_pipeline_actor(config.model, start, task, seed=config.seed)
+            self.actor = FlowActor(model, start.kind, start, config.model.dtype, options, scale)
+        else:
+            loaded = load_builtin(config.model)
+            self.task = task = image_task(config.task, loaded.info, config.model.path)
+            check_model_fits_task(loaded.model, task, "model.path")
+            model = with_lora(loaded.model, config.model, "model", config.seed)
+            self.actor = FlowActor(model, "builtin", start)
         self.title = f"Flow-GRPO on {task.name}"
-        check_model_fits_task(loaded.model, task, "model.path")
-        self.model = model = loaded.model.to(config.device)
+        self.actor.check_activation_checkpointing(config.activation_checkpointing)
+        self.model = model = self.actor.model.to(config.device)
+        # with a LoRA the reference is the actor with its LoRA off (no copy; PolicyRoles)
         self.roles = PolicyRoles(
             model, reference=policy.uses_reference, offload_device=config.offload_device
         )
@@ -71,16 +99,23 @@ class FlowGRPORecipe(OnPolicyRecipe):
         if config.ema_decay is not None:
             self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay))
         self.served = model if self.ema is None else self.ema.module  # evaluated and saved
-        self.reward_fn = CombinedReward(
-            [(get_reward(r.name, **r.options), r.weight) for r in config.rewards]
-        )
-        self.source = FlowSource(task, sampler, config.group_size)
+        rewards = [(get_reward(r.name, **r.options), r.weight) for r in config.rewards]
+        if self.actor.video:  # clips: each image reward is the mean over the frames
+            rewards = [(FrameMeanReward(fn), weight) for fn, weight in rewards]
+        self.reward_fn = CombinedReward(rewards)
+        self.source = FlowSource(self.actor.judged(task), sampler, config.group_size)
+        # the starting weights: a full pipeline transformer is identified by its directory
+        # (actor metadata), not hashed on every start
+        full_pipeline = self.actor.pipeline and model.lora is None
         self.metadata = {
             "objective": loss.metadata(),
             "sampler": sampler.model_dump(mode="json"),
-            "model": model.config.model_dump(mode="json"),
+            "model": self.actor.metadata(),
             "task": task.info(),
-            "reference": {"path": config.model.path, "weights": weights_digest(model)},
+            "reference": {
+                "path": config.model.path,
+                "weights": None if full_pipeline else weights_digest(model),
+            },
             "rewards": [r.model_dump() for r in config.rewards],
             "group_size": config.group_size,
             "prompts_per_step": config.prompts_per_step,
@@ -92,7 +127,7 @@ class FlowGRPORecipe(OnPolicyRecipe):
     def describe(self) -> str:
         cfg = self.config
         return (
-            f"flow-grpo on {self.task!r}: FlowDiT {self.model.num_parameters():,} parameters, "
+            f"flow-grpo on {self.task!r}: {self.actor.describe()}, "
             f"{cfg.prompts_per_step}×{cfg.group_size} rollouts per step, rewards {self.reward_fn!r}"
         )
 
@@ -108,14 +143,24 @@ class FlowGRPORecipe(OnPolicyRecipe):
     def evaluate(self, tag: str):
         step = self.steps_done()
         name = f"step_{step:06d}" if tag == "step" else tag
-        record, metrics, self.final = evaluate_image_model(
-            self.served,
-            self.task,
-            self.config.sampler,
-            self.config,
-            step,
-            self.out / "samples" / f"{name}.png",
-        )
+        grid = self.out / "samples" / f"{name}.png"
+        cfg = self.config
+        if self.actor.pipeline:
+            self.final, written = evaluate_pipeline_model(
+                self.served,
+                self.actor.judged(self.task),
+                cfg.sampler,
+                cfg,
+                grid,
+                video=self.actor.video,
+            )
+            record, metrics = eval_record(self.final, step)
+            if written is not None:
+                record["grid"] = written
+        else:
+            record, metrics, self.final = evaluate_image_model(
+                self.served, self.task, cfg.sampler, cfg, step, grid
+            )
         return record, metrics
 
     def state(self) -> dict[str, Any]:
@@ -137,7 +182,7 @@ class FlowGRPORecipe(OnPolicyRecipe):
             "trained_steps": self.steps_done(),
             "ema_decay": self.config.ema_decay,
         }
-        save_model(directory, self.served, info)
+        self.actor.save(directory, self.served, info)
 
     def results(self, history) -> dict[str, Any]:
         return {

@@ -15,6 +15,12 @@ stage of a workflow is conditioned on the image stage's picture.
 Each training row's σ, ε and dropout are drawn from its own noise key
 ``noise_keys(dataset index, seed, trainer step)``, so ``micro_batch_size`` changes memory
 use and nothing else: any split gives the same update.
+
+``model.path`` may also be a local diffusers pipeline directory (docs/flow_models.md): SD3 or
+FLUX on the image task, Wan text-to-video on the image task (each render held still for the
+clip's frames), Wan image-to-video on mini-motion; trained in full or as a LoRA
+(``model.lora``), at the task's resolution. The data are the renders encoded by the
+pipeline's VAE (the posterior mean); the final model is a pipeline model directory.
 """
 
 from __future__ import annotations
@@ -23,18 +29,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.nn.functional as F
+
 from ..config import ConfigError, FlowSFTRecipeConfig
-from ..models.io import save_model
 from ..objectives.flow_sft import FlowMatchingSFT, flow_sft_batch
 from ..seeding import noise_keys
 from ..tasks.motion import MotionTask
 from .common import (
+    FlowActor,
     check_model_fits_task,
+    eval_record,
     evaluate_image_model,
+    evaluate_pipeline_model,
     evaluate_video_model,
-    load_ref,
+    flow_start,
+    load_builtin,
+    load_pipeline_actor,
     new_flow_model,
     trainer_factory,
+    with_lora,
 )
 from .run import Recipe, run
 
@@ -52,18 +65,28 @@ class FlowSFTRecipe(Recipe):
             self.title = "rectified-flow SFT of image-to-video on mini-motion"
         section = config.model
         if section.path is None:
-            self.model = new_flow_model(section, task)
+            model = with_lora(new_flow_model(section, task), section, "model", config.seed)
+            self.actor = FlowActor(model, "builtin")
         else:
-            self.model = load_ref(section, "flow", "model").model
-            if self.video:
-                _check_video_model(self.model, task)
+            start = flow_start(section)
+            if start.pipeline:
+                model, options, scale = load_pipeline_actor(section, start, task, seed=config.seed)
+                self.actor = FlowActor(model, start.kind, start, section.dtype, options, scale)
             else:
-                check_model_fits_task(self.model, task, "model.path")
+                model = load_builtin(section).model
+                if self.video:
+                    _check_video_model(model, task)
+                else:
+                    check_model_fits_task(model, task, "model.path")
+                model = with_lora(model, section, "model", config.seed)
+                self.actor = FlowActor(model, "builtin", start)
+        self.model = self.actor.model
+        self.actor.check_activation_checkpointing(config.activation_checkpointing)
         objective = FlowMatchingSFT(config.objective)
         self.trainer = trainer_factory(config)(self.model, objective)
         self.metadata = {
             "objective": objective.metadata(),
-            "model": self.model.config.model_dump(mode="json"),
+            "model": self.actor.metadata(),
             "task": task.info(),
             "sampler": config.sampler.model_dump(mode="json"),
             "batch_size": config.batch_size,
@@ -72,8 +95,7 @@ class FlowSFTRecipe(Recipe):
         self.out = Path(config.output_dir)
 
     def describe(self) -> str:
-        name = type(self.model).__name__
-        return f"flow SFT: {name} {self.model.num_parameters():,} parameters; task: {self.task!r}"
+        return f"flow SFT: {self.actor.describe()}; task: {self.task!r}"
 
     def step(self) -> dict[str, float]:
         cfg = self.config
@@ -83,10 +105,16 @@ class FlowSFTRecipe(Recipe):
         examples, pixels = self.task.train_batch(self.position, cfg.batch_size)
         self.position += 1
         prompts = [e.prompt for e in examples]
+        if self.actor.scale > 1:  # a pipeline making k× the task's images: renders enlarged
+            pixels = F.interpolate(pixels, scale_factor=self.actor.scale, mode="nearest")
         if self.video:  # clips [B, F, 3, S, S], each conditioned on its own first frame
             latents = self.model.encode_videos(pixels)
             cond = self.model.encode_conditioning(prompts, pixels[:, 0])
             uncond = self.model.empty_conditioning(pixels[:, 0])
+        elif self.actor.video:  # text-to-video on images: each render held for every frame
+            frames = self.model.output_shape[0]
+            clips = pixels.unsqueeze(1).expand(-1, frames, -1, -1, -1)
+            latents, cond, uncond = self.model.encode_images(clips), None, None
         else:
             latents, cond, uncond = self.model.encode_images(pixels), None, None
         size = cfg.micro_batch_size or cfg.batch_size
@@ -107,10 +135,22 @@ class FlowSFTRecipe(Recipe):
     def evaluate(self, tag: str):
         step = self.steps_done()
         grid = self.out / "samples" / f"step_{step:06d}.png"
+        cfg = self.config
+        if self.actor.pipeline and not self.video:
+            self.final, written = evaluate_pipeline_model(
+                self.model,
+                self.actor.judged(self.task),
+                cfg.sampler,
+                cfg,
+                grid,
+                video=self.actor.video,
+            )
+            record, metrics = eval_record(self.final, step)
+            if written is not None:
+                record["grid"] = written
+            return record, metrics
         evaluate = evaluate_video_model if self.video else evaluate_image_model
-        record, metrics, self.final = evaluate(
-            self.model, self.task, self.config.sampler, self.config, step, grid
-        )
+        record, metrics, self.final = evaluate(self.model, self.task, cfg.sampler, cfg, step, grid)
         return record, metrics
 
     def save_model(self, directory) -> None:
@@ -119,11 +159,11 @@ class FlowSFTRecipe(Recipe):
             "sampler": self.config.sampler.model_dump(mode="json"),
             "trained_steps": self.steps_done(),
         }
-        save_model(directory, self.model, info)
+        self.actor.save(directory, self.model, info)
 
     def results(self, history) -> dict[str, Any]:
         return {
-            "model_parameters": self.model.num_parameters(),
+            "model_parameters": self.actor.parameter_counts()[1],
             "final_loss": (self.last_metrics or {}).get("loss"),
             "eval": self.final.to_dict(),
             "grids": sorted(str(p) for p in (self.out / "samples").glob("*.png")),

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..advantages import OverlongShaping
-from ..config import GRPORecipeConfig, check_rewards_for_task
+from ..config import ConfigError, GRPORecipeConfig, check_rewards_for_task
 from ..objectives.grpo import PolicyLoss
 from ..rewards import CombinedReward, get_reward
 from ..rollout import TokenSource
@@ -27,6 +27,7 @@ from .common import (
     token_task,
     trainer_factory,
     weights_digest,
+    with_lora,
 )
 from .run import OnPolicyRecipe, run
 
@@ -39,12 +40,19 @@ class GRPORecipe(OnPolicyRecipe):
         policy = config.policy
         loaded = load_ref(config.model, "token", "model")
         self.task = task = token_task(
-            config.task, config.sampler.block_size, loaded.info, config.model.path
+            config.task, config.sampler.block_size, loaded.info, config.model.path, loaded.tokenizer
         )
         check_tokenizer(loaded, task, "model.path")
         check_rewards_for_task(config.rewards, task.name)  # task: null reads it from the model
+        if policy.dynamic_sampling and task.prompt_length is None:
+            raise ConfigError(
+                "task.max_prompt_tokens: dynamic sampling joins rollout rounds, which needs one "
+                "prompt width; set task.max_prompt_tokens (prompts are otherwise padded to the "
+                "longest of each round with this tokenizer)"
+            )
         self.name, self.title = policy.algorithm, f"{policy.algorithm} on {task.name}"
-        self.model = model = loaded.model.to(config.device)
+        self.model = model = with_lora(loaded.model, config.model, "model", config.seed)
+        model.to(config.device)
         self.roles = PolicyRoles(
             model, reference=policy.uses_reference, offload_device=config.offload_device
         )

@@ -29,6 +29,7 @@ from .common import (
     save_token_model,
     token_task,
     trainer_factory,
+    with_lora,
 )
 from .run import Recipe, run
 
@@ -53,9 +54,10 @@ class SFTRecipe(Recipe):
 
     def __init__(self, config: SFTRecipeConfig) -> None:
         self.config = config
-        self.task = task = token_task(config.task, config.sampler.block_size, {}, "task")
-        if config.model.path is not None:
-            loaded = load_ref(config.model, "token", "model")
+        loaded = None if config.model.path is None else load_ref(config.model, "token", "model")
+        tokenizer = None if loaded is None else loaded.tokenizer  # None: the task's own
+        self.task = task = token_task(config.task, config.sampler.block_size, {}, "task", tokenizer)
+        if loaded is not None:
             check_tokenizer(loaded, task, "model.path")
             self.model = loaded.model
         else:
@@ -73,6 +75,7 @@ class SFTRecipe(Recipe):
                     block_size=config.sampler.block_size,
                 )
             )
+        self.model = with_lora(self.model, config.model, "model", config.seed)
         objective = MaskedDiffusionSFT(config.objective)
         self.trainer = trainer_factory(config)(self.model, objective)
         self.sampler = config.sampler.model_copy(

@@ -1,11 +1,14 @@
 """Block-wise low-confidence remasking: one loop for serving and, with capture, for rollout.
 
 docs/math.md §1.2. The completion (``generation_length`` slots, all MASK) is cut into blocks of
-``block_size`` decoded left to right. At each step every still-masked slot of the current
-block gets a proposal ``x̂ ~ softmax(z / T)`` (Gumbel-max with float64 noise; ``T = 0`` is
-argmax) and a confidence; the most confident slots are committed — a fixed count per step that
-finishes the block in ``steps_per_block`` steps, or every slot with confidence >= threshold
-(at least one). Ties break by lowest position. Committed tokens never change.
+``block_size`` decoded left to right; where the blocks start is the model's block origin
+(models/protocol.py: at the completion, or, for ``"canvas"`` models such as SDAR, at the
+canvas, so a row's first block may be short and hold its prompt tail). At each step every
+still-masked slot of the current block gets a proposal ``x̂ ~ softmax(z / T)`` (Gumbel-max
+with float64 noise; ``T = 0`` is argmax) and a confidence; the most confident slots are
+committed — a fixed count per step that finishes the block in ``steps_per_block`` steps, or
+every slot with confidence >= threshold (at least one). Ties break by lowest position.
+Committed tokens never change.
 
 Invariants that make rollouts replayable and rows independent:
 
@@ -28,7 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..kernels import KERNELS
-from ..models.protocol import TokenDenoiser
+from ..models.protocol import TokenDenoiser, block_layout, block_origin
 from ..seeding import row_step_generator
 from ..trace import TokenTrace
 
@@ -113,6 +116,18 @@ def select_commits(
     return chosen | (pending & (rank == 0))
 
 
+def _count_table(slots: torch.Tensor, steps_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed schedule, per row: ``S_b = min(steps_per_block, n_b)`` steps and the commit count
+    of each step (:func:`commit_counts`) for a block with ``slots [B]`` = ``n_b`` slots."""
+    steps = slots.clamp(max=steps_per_block)
+    table = torch.zeros(slots.shape[0], steps_per_block, dtype=torch.long)
+    for n in set(slots.tolist()):
+        if n > 0:
+            counts = commit_counts(n, min(steps_per_block, n))
+            table[slots.cpu() == n, : len(counts)] = torch.tensor(counts)
+    return steps, table.to(slots.device)
+
+
 @torch.no_grad()
 def sample_tokens(
     model: TokenDenoiser,
@@ -130,6 +145,12 @@ def sample_tokens(
     ``prompt_ids`` long ``[B, P]`` left-padded, ``prompt_mask`` bool ``[B, P]`` (None = all
     real), ``seeds``: one int per row. ``stop_token_id`` is honoured when
     ``config.stop_at_eos``. With ``capture`` the result carries a :class:`TokenTrace`.
+
+    Blocks follow the model's block origin (``models/protocol.py``): row ``b``'s completion
+    block ``j`` holds slots ``k`` with ``(r_b + k) // block_size = j`` (``r_b = 0`` unless the
+    model is ``"canvas"``); with ``r_b > 0`` block 0 is short (``block_size - r_b`` slots,
+    denoised together with the row's last ``r_b`` prompt tokens). Schedules count per row:
+    the fixed one finishes a block of ``n_b`` slots in ``min(steps_per_block, n_b)`` steps.
     """
     device = prompt_ids.device
     batch, prompt_len = prompt_ids.shape
@@ -153,58 +174,82 @@ def sample_tokens(
 
     mask_id = model.mask_token_id
     length, size = config.generation_length, config.block_size
+    origin = block_origin(model)
+    layout = block_layout(model, prompt_mask, length, size)
     sample_kernel = KERNELS.resolve("token_sample_step", device)
-    completion = torch.full((batch, length), mask_id, dtype=torch.long, device=device)
-    commit_steps = torch.full((batch, length), -1, dtype=torch.long, device=device)
-    logprobs = torch.zeros((batch, length), dtype=torch.float32, device=device)
+    # Sampler state on aligned columns (== the completion slots unless some r_b > 0).
+    slots = torch.full((batch, length), mask_id, dtype=torch.long, device=device)
+    columns = layout.to_columns(slots, mask_id, tail=prompt_ids)
+    commit_steps = layout.to_columns(torch.full_like(slots, -1), -1)
+    logprobs = layout.to_columns(torch.zeros((batch, length), device=device), 0.0)
+    is_slot, is_key, slot_index = layout.is_slot, layout.is_key, layout.slot
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     cache = model.new_cache(prompt_ids, prompt_mask) if use_cache else None
-    full_mask = torch.cat([prompt_mask, torch.ones_like(completion, dtype=torch.bool)], dim=1)
+    full_mask = torch.cat([prompt_mask, torch.ones_like(slots, dtype=torch.bool)], dim=1)
 
-    for block in range(math.ceil(length / size)):
-        lo, hi = block * size, min(length, (block + 1) * size)
-        num_steps = min(config.steps_per_block, hi - lo) if config.schedule == "fixed" else hi - lo
-        counts = commit_counts(hi - lo, num_steps) if config.schedule == "fixed" else None
-        for step in range(num_steps):
-            pending = (commit_steps[:, lo:hi] < 0) & ~done[:, None]
+    for block in range(layout.num_blocks):
+        lo, hi = layout.span(block)
+        block_slots = is_slot[:, lo:hi].sum(1)
+        if config.schedule == "fixed":
+            row_steps, table = _count_table(block_slots, config.steps_per_block)
+        else:
+            row_steps, table = block_slots, None
+        key_mask = {"key_mask": is_key[:, lo:hi]} if origin == "canvas" else {}
+        for step in range(int(row_steps.max())):
+            pending = is_slot[:, lo:hi] & (commit_steps[:, lo:hi] < 0) & ~done[:, None]
             if not bool(pending.any()):
                 break
             if cache is not None:
-                logits = model.forward_block(completion[:, lo:hi], cache)
+                logits = model.forward_block(columns[:, lo:hi], cache, **key_mask)
             else:
-                canvas = torch.cat([prompt_ids, completion], dim=1)
-                logits = model(canvas, full_mask, prompt_len)[:, prompt_len + lo : prompt_len + hi]
+                canvas = torch.cat([prompt_ids, layout.to_slots(columns)], dim=1)
+                logits = model(canvas, full_mask, prompt_len)
+                if layout.aligned:
+                    where = (prompt_len + slot_index[:, lo:hi]).clamp(0, canvas.shape[1] - 1)
+                    logits = logits.gather(1, where[..., None].expand(-1, -1, logits.shape[-1]))
+                else:
+                    logits = logits[:, prompt_len + lo : prompt_len + hi]
             logits = logits.float()
             logits[..., mask_id] = -math.inf
             step_id = block * config.step_stride + step
             noise = None
-            if config.temperature > 0:
-                noise = gumbel_noise(seeds, step_id, tuple(logits.shape[1:]), device)
+            if config.temperature > 0:  # canvas rows: a fixed width, whatever the batch
+                width = size if origin == "canvas" else hi - lo
+                noise = gumbel_noise(seeds, step_id, (width, logits.shape[-1]), device)
+                noise = noise[:, : hi - lo]
             proposal, logprob, confidence = sample_kernel.fn(
                 logits, config.temperature, noise, config.confidence
             )
             count = None
-            if counts is not None:
-                count = torch.full((batch,), counts[step], device=device)
-                if step == num_steps - 1:
-                    count = pending.sum(1)
+            if table is not None:
+                count = torch.where(step == row_steps - 1, pending.sum(1), table[:, step])
             chosen = select_commits(
-                pending, confidence, count, config.threshold if counts is None else None
+                pending, confidence, count, config.threshold if table is None else None
             )
-            completion[:, lo:hi] = torch.where(chosen, proposal, completion[:, lo:hi])
+            columns[:, lo:hi] = torch.where(chosen, proposal, columns[:, lo:hi])
             commit_steps[:, lo:hi] = torch.where(chosen, step_id, commit_steps[:, lo:hi])
             logprobs[:, lo:hi] = torch.where(chosen, logprob, logprobs[:, lo:hi])
         if cache is not None:
-            model.forward_block(completion[:, lo:hi], cache, extend=True)
+            model.forward_block(columns[:, lo:hi], cache, extend=True, **key_mask)
         if stop is not None:
-            done |= ((completion[:, lo:hi] == stop) & (commit_steps[:, lo:hi] >= 0)).any(1)
+            done |= ((columns[:, lo:hi] == stop) & (commit_steps[:, lo:hi] >= 0)).any(1)
             if bool(done.all()):
                 break
 
+    completion = layout.to_slots(columns)
+    commit_steps, logprobs = layout.to_slots(commit_steps), layout.to_slots(logprobs)
     fill = stop if stop is not None else mask_id
     tokens = torch.where(commit_steps >= 0, completion, torch.full_like(completion, fill))
     trace = None
     if capture:
+        info = {
+            "mask_token_id": mask_id,
+            "attention": model.attention,
+            "block_size": model_block,
+            "vocab_size": int(model.vocab_size),
+        }
+        if origin != "prompt":  # absent = "prompt" (traces of the built-in models unchanged)
+            info["block_origin"] = origin
         trace = TokenTrace(
             prompt_ids=prompt_ids.clone(),
             prompt_mask=prompt_mask.clone(),
@@ -219,11 +264,6 @@ def sample_tokens(
             },
             weights_version=int(weights_version),
             stop_token_id=stop,
-            model_info={
-                "mask_token_id": mask_id,
-                "attention": model.attention,
-                "block_size": model_block,
-                "vocab_size": int(model.vocab_size),
-            },
+            model_info=info,
         )
     return TokenSample(tokens=tokens, trace=trace)

@@ -10,11 +10,17 @@ chunk are packed into one sequence per row::
     [ prompt (P) | clean completion (L) | copy (b, s) for every block b and step s in S_b ]
 
 * the *clean completion* holds ``x_j`` where ``a_j >= 0`` and MASK where ``a_j = -1`` (never
-  sampled, as in every canvas); it is block-causal with the prompt as block 0, exactly like
-  the model's own canvas;
-* the *copy* ``(b, s)`` holds block ``b`` of ``c_s`` (slot ``j`` shows ``x_j`` iff
-  ``0 <= a_j < s``) at block ``b``'s positions; it attends to the prompt (padding excluded),
-  to the clean blocks ``< b`` and to itself (bidirectionally); nothing attends to a copy;
+  sampled, as in every canvas); prompt and clean completion are block-causal exactly like
+  the model's own canvas (block origin, models/protocol.py: ``"prompt"``: the prompt is block
+  0; ``"canvas"``: blocks of real positions, the prompt tail sharing the first completion
+  block);
+* the *copy* ``(b, s)`` holds completion block ``b`` of ``c_s`` (slot ``j`` shows ``x_j`` iff
+  ``0 <= a_j < s``) at block ``b``'s positions, on the aligned columns of
+  :class:`~diffusion_rl.models.protocol.BlockLayout` (for a ``"canvas"`` row with
+  ``r_b > 0``, the copy of block 0 starts with the row's ``r_b`` prompt-tail tokens, whose
+  keys and values depend on the block's state); it attends to the clean blocks before its
+  own (prompt included, padding excluded) and to itself (bidirectionally); nothing attends to
+  a copy;
 * ``S_b`` is the *union over the chunk's rows* of the steps at which block ``b`` has an
   action. Rows differ (threshold schedules, rows that stopped early); a row with no action at
   ``s`` still carries the copy, whose logits are simply never read for it. This costs a few
@@ -38,8 +44,14 @@ import torch
 
 from ..contracts import DiffusionTokenBatch, validate_target_aligned_logits
 from ..kernels import Kernel
-from ..models.protocol import TokenDenoiser
-from .replay import ChunkedReplay, ReplayScores, masked_entropy
+from ..models.protocol import (
+    BlockLayout,
+    BlockOrigin,
+    TokenDenoiser,
+    block_origin,
+    completion_offsets,
+)
+from .replay import ChunkedReplay, ReplayScores, check_block_order, masked_entropy
 
 
 def score_actions(
@@ -99,72 +111,84 @@ def packed_layout(
     *,
     block_size: int,
     mask_token_id: int,
+    block_origin: BlockOrigin = "prompt",
 ) -> PackedLayout:
     """Build the packed sequence of the module docstring.
 
     ``prompt_ids`` long ``[B, P]`` left-padded, ``prompt_mask`` bool ``[B, P]``,
     ``completion_ids`` / ``commit_steps`` long ``[B, L]`` (-1 = never sampled), ``acting``
     bool ``[B, L]`` (the slots to score; each has ``commit_steps >= 0``). ``T = P + L +
-    Σ_b |S_b| · len(block b)``.
+    Σ_j |S_j| · w_j`` with ``w_j`` the width of completion block ``j`` on the aligned columns
+    (:class:`~diffusion_rl.models.protocol.BlockLayout`; ``w_j = |j|`` for ``"prompt"``).
     """
     device = prompt_ids.device
     batch, prompt_len = prompt_ids.shape
     length = completion_ids.shape[1]
-    num_blocks = math.ceil(length / block_size)
+    prompt_mask = prompt_mask.bool()
+    layout = BlockLayout(
+        completion_offsets(prompt_mask, block_size, block_origin), length, block_size
+    )
+    # The clean blocks stand in for the canvas of every later step: check each action comes
+    # after every commit of its row's earlier blocks.
+    check_block_order(commit_steps, acting, layout, "packed replay")
+
     sampled = commit_steps >= 0
     mask = torch.full_like(completion_ids, mask_token_id)
     slot = torch.arange(length, device=device)
-    slot_block = slot // block_size
-
-    # The clean blocks stand in for the canvas of every later step: check each action comes
-    # after every commit of its row's earlier blocks.
-    padded = torch.nn.functional.pad(commit_steps, (0, num_blocks * block_size - length), value=-1)
-    block_last = padded.view(batch, num_blocks, block_size).max(-1).values.cummax(1).values
-    earlier_last = torch.nn.functional.pad(block_last, (1, 0), value=-1)[:, :num_blocks]
-    if bool((acting & (commit_steps <= earlier_last[:, slot_block])).any()):
-        raise ValueError(
-            "commit_steps: packed replay needs every row's commits in earlier blocks to precede "
-            "its actions in later blocks (as sample_tokens records them); use ReplayScorer"
-        )
-
+    real = prompt_mask.long().sum(1, keepdim=True)
     prompt_pos = (prompt_mask.long().cumsum(1) - 1).clamp_min(0)
-    slot_pos = prompt_mask.long().sum(1, keepdim=True) + slot
-    ids = [prompt_ids, torch.where(sampled, completion_ids, mask)]
-    positions = [prompt_pos, slot_pos]
-    seg_block = [torch.zeros(prompt_len, dtype=torch.long, device=device), 1 + slot_block]
+    slot_pos = real + slot
+    if block_origin == "canvas":  # blocks of real positions (docs/math.md §1.1)
+        prompt_block, slot_block = prompt_pos // block_size, slot_pos // block_size
+        block_base = (real - layout.offsets[:, None]) // block_size  # block of column 0
+    else:  # the prompt is block 0, completion slot k is in block 1 + k // K
+        prompt_block = torch.zeros_like(prompt_pos)
+        slot_block = (1 + slot // block_size).expand(batch, length)
+        block_base = torch.ones_like(real)
+    # per aligned column: slot, position and token of the clean canvas (prompt tail included)
+    col_slot = layout.slot
+    col_pos = real + col_slot
+    clean = torch.where(sampled, completion_ids, mask)
+    col_clean = layout.to_columns(clean, mask_token_id, tail=prompt_ids)
+    col_sampled, col_steps = layout.to_columns(sampled, False), layout.to_columns(commit_steps, -1)
+    col_acting, col_key = layout.to_columns(acting, False), layout.is_key
+    col_mask = torch.where(col_slot < 0, col_clean, torch.full_like(col_clean, mask_token_id))
+
+    ids, positions = [prompt_ids, clean], [prompt_pos, slot_pos]
+    seg_block, key_valid = [prompt_block, slot_block], [prompt_mask, torch.ones_like(sampled)]
     seg_copy = [torch.full((prompt_len + length,), -1, dtype=torch.long, device=device)]
     read_index = (prompt_len + slot).expand(batch, length).clone()
+    col_read = layout.to_columns(read_index, 0)
     copies: list[tuple[int, int]] = []
     offset = prompt_len + length
-    for block in range(num_blocks):
-        lo, hi = block * block_size, min(length, (block + 1) * block_size)
-        steps, here = commit_steps[:, lo:hi], acting[:, lo:hi]
+    for block in range(layout.num_blocks):
+        lo, hi = layout.span(block)
+        steps, here = col_steps[:, lo:hi], col_acting[:, lo:hi]
         for step in torch.unique(steps[here]).tolist():
-            visible = sampled[:, lo:hi] & (steps < step)
-            ids.append(torch.where(visible, completion_ids[:, lo:hi], mask[:, lo:hi]))
-            positions.append(slot_pos[:, lo:hi])
-            seg_block.append(torch.full((hi - lo,), block + 1, dtype=torch.long, device=device))
+            visible = col_sampled[:, lo:hi] & (steps < step)
+            ids.append(torch.where(visible, col_clean[:, lo:hi], col_mask[:, lo:hi]))
+            positions.append(col_pos[:, lo:hi])
+            seg_block.append((block_base + block).expand(batch, hi - lo))
+            key_valid.append(col_key[:, lo:hi])
             seg_copy.append(torch.full((hi - lo,), len(copies), dtype=torch.long, device=device))
             own = offset + torch.arange(hi - lo, device=device)
-            read_index[:, lo:hi] = torch.where(here & (steps == step), own, read_index[:, lo:hi])
+            col_read[:, lo:hi] = torch.where(here & (steps == step), own, col_read[:, lo:hi])
             copies.append((block, step))
             offset += hi - lo
+    read_index = torch.where(acting, layout.to_slots(col_read), read_index)
 
-    seg_block, seg_copy = torch.cat(seg_block), torch.cat(seg_copy)
+    seg_block, seg_copy = torch.cat(seg_block, dim=1), torch.cat(seg_copy)
+    key_valid = torch.cat(key_valid, dim=1)
     is_copy = seg_copy >= 0
-    q_block, k_block = seg_block[:, None], seg_block[None, :]
-    sees_clean = ~is_copy[None, :] & (
-        (k_block < q_block) | ((k_block == q_block) & ~is_copy[:, None])
+    q_block, k_block = seg_block[:, :, None], seg_block[:, None, :]
+    sees_clean = ~is_copy[None, None, :] & (
+        (k_block < q_block) | ((k_block == q_block) & ~is_copy[None, :, None])
     )
-    sees_own_copy = is_copy[:, None] & (seg_copy[:, None] == seg_copy[None, :])
-    key_valid = torch.cat(
-        [
-            prompt_mask.bool(),
-            torch.ones(batch, offset - prompt_len, dtype=torch.bool, device=device),
-        ],
-        dim=1,
-    )
-    allowed = (sees_clean | sees_own_copy)[None] & key_valid[:, None, :]
+    sees_own_copy = (is_copy[:, None] & (seg_copy[:, None] == seg_copy[None, :]))[None]
+    allowed = (sees_clean | sees_own_copy) & key_valid[:, None, :]
+    # a copy column past its row's end is no key; let it see itself (never read, never NaN)
+    lone = ~key_valid & is_copy[None, :]
+    allowed = allowed | (torch.diag_embed(lone) if bool(lone.any()) else False)
     return PackedLayout(
         input_ids=torch.cat(ids, dim=1),
         position_ids=torch.cat(positions, dim=1),
@@ -221,6 +245,7 @@ class PackedReplayScorer(ChunkedReplay):
             acting,
             block_size=self.model.block_size,
             mask_token_id=self.model.mask_token_id,
+            block_origin=block_origin(self.model),
         )
         logits = self.model.forward_packed(layout.input_ids, layout.position_ids, layout.allowed)
         index = layout.read_index[..., None].expand(-1, -1, logits.shape[-1])

@@ -4,7 +4,10 @@ docs/math.md §1.3. For action ``i`` (slot committed at step ``a_i`` with token 
 ``ℓ_i(θ) = log softmax(f_θ(c_{a_i})_i / T)[x_i]`` with ``c_s = prompt ⊕ [x_j if 0 <= a_j < s
 else MASK]``. *Dense* replay runs one forward per distinct step id, on the rows that acted at
 that step, and reads the slots committed there. At the behaviour weights it reproduces the
-sampler's log-probs (the parity diagnostic).
+sampler's log-probs (the parity diagnostic). The block KV-cache walk follows the model's block
+origin per row (models/protocol.py: for a ``"canvas"`` model such as SDAR, a row's first block
+holds its prompt tail), on the sampler's aligned columns; full-canvas replay leaves the blocks
+to the model's own mask.
 
 Input: a :class:`~diffusion_rl.contracts.DiffusionTokenBatch` from
 :meth:`~diffusion_rl.trace.TokenTrace.prepare` (model inputs ``prompt_ids``, ``prompt_mask``,
@@ -27,7 +30,7 @@ import torch
 
 from ..contracts import DiffusionTokenBatch, validate_target_aligned_logits
 from ..kernels import KERNELS, scoring_temperature
-from ..models.protocol import TokenDenoiser
+from ..models.protocol import BlockLayout, TokenDenoiser, block_layout, block_origin
 
 REQUIRED_INPUTS = ("prompt_ids", "prompt_mask", "completion_ids", "commit_steps")
 
@@ -162,25 +165,24 @@ class ReplayScorer(ChunkedReplay):
             visible = (steps >= 0) & (steps < step)
             return torch.where(visible, tokens, torch.full_like(tokens, mask_id))
 
-        def read(logits: torch.Tensor, here: torch.Tensor, slots: slice) -> tuple:
-            """Log-probs (and entropy) of the actions ``here [B, K]`` from logits ``[B, K, V]``."""
-            validate_target_aligned_logits(targets[:, slots], here, logits)
+        def read(logits: torch.Tensor, here: torch.Tensor, target: torch.Tensor) -> tuple:
+            """Log-probs (and entropy) of the actions ``here [B, K]`` (targets ``target``) from
+            logits ``[B, K, V]``."""
+            validate_target_aligned_logits(target, here, logits)
             logits = torch.where(
                 here[..., None], logits.float(), torch.zeros((), device=logits.device)
             )
             logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), -math.inf)
-            lp = torch.where(
-                here, self.logprob_kernel.fn(logits, targets[:, slots], self.temperature), 0.0
-            )
+            lp = torch.where(here, self.logprob_kernel.fn(logits, target, self.temperature), 0.0)
             ent = None
             if self.compute_entropy:
                 ent = torch.where(here, masked_entropy(logits, self.temperature), 0.0)
             return lp, ent, logits if self.return_logits else None
 
         if self.use_cache:
-            parts = self._replay_blocks(inputs, steps, acting, canvas_before, read)
+            parts = self._replay_blocks(inputs, steps, acting, targets, canvas_before, read)
         else:
-            parts = self._replay_canvas(batch, steps, acting, canvas_before, read)
+            parts = self._replay_canvas(batch, steps, acting, targets, canvas_before, read)
         logprobs = sum(p[0] for p in parts)
         entropy = sum(p[1] for p in parts) if self.compute_entropy else None
         zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
@@ -190,8 +192,9 @@ class ReplayScorer(ChunkedReplay):
             logits = torch.where(acting[..., None], sum((p[2] for p in parts), start), 0.0)
         return ReplayScores(logprobs + zeros, None if entropy is None else entropy + zeros, logits)
 
-    def _replay_canvas(self, batch, steps, acting, canvas_before, read) -> list:
-        """One full-canvas forward per distinct step id (any attention)."""
+    def _replay_canvas(self, batch, steps, acting, targets, canvas_before, read) -> list:
+        """One full-canvas forward per distinct step id (any attention, any block origin: the
+        model builds its own blocks from the canvas)."""
         prompt_ids, prompt_mask = (
             batch.model_inputs["prompt_ids"],
             batch.model_inputs["prompt_mask"].bool(),
@@ -202,28 +205,75 @@ class ReplayScorer(ChunkedReplay):
         for step in torch.unique(steps[acting]).tolist():
             canvas = torch.cat([prompt_ids, canvas_before(step)], 1)
             logits = self.model(canvas, key_mask, prompt_len)[:, prompt_len:]
-            parts.append(read(logits, acting & (steps == step), slice(None)))
+            parts.append(read(logits, acting & (steps == step), targets))
         return parts
 
-    def _replay_blocks(self, inputs, steps, acting, canvas_before, read) -> list:
+    def _replay_blocks(self, inputs, steps, acting, targets, canvas_before, read) -> list:
         """Block-causal models: walk the blocks through the block KV cache exactly as the
-        sampler did (same kernels, same shapes: bitwise parity for the same batch)."""
+        sampler did (same kernels, same shapes, same aligned columns for ``"canvas"`` models:
+        bitwise parity for the same batch)."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"].bool()
+        layout = block_layout(self.model, prompt_mask, steps.shape[1], self.model.block_size)
+        check_block_order(steps, acting, layout, "ReplayScorer(use_cache=True)")
+        col_steps, col_acting = layout.to_columns(steps, -1), layout.to_columns(acting, False)
+        col_targets = layout.to_columns(targets, 0)
+        is_key = layout.is_key if block_origin(self.model) == "canvas" else None
+        mask_id = self.model.mask_token_id
+
+        def state(step: int | float) -> torch.Tensor:
+            return layout.to_columns(canvas_before(step), mask_id, tail=prompt_ids)
+
         size = self.model.block_size
-        length = steps.shape[1]
-        last = int(acting.nonzero()[:, 1].max()) // size if bool(acting.any()) else -1
-        cache = self.model.new_cache(inputs["prompt_ids"], inputs["prompt_mask"].bool())
+        last = int(col_acting.nonzero()[:, 1].max()) // size if bool(col_acting.any()) else -1
+        cache = self.model.new_cache(prompt_ids, prompt_mask)
+        width = layout.width
         parts = []
         for block in range(last + 1):
-            lo, hi = block * size, min(length, (block + 1) * size)
-            block_steps, block_acting = steps[:, lo:hi], acting[:, lo:hi]
+            lo, hi = layout.span(block)
+            extra = {} if is_key is None else {"key_mask": is_key[:, lo:hi]}
+            block_steps, block_acting = col_steps[:, lo:hi], col_acting[:, lo:hi]
             pieces = []
             for step in torch.unique(block_steps[block_acting]).tolist():
-                logits = self.model.forward_block(canvas_before(step)[:, lo:hi], cache)
-                pieces.append(read(logits, block_acting & (block_steps == step), slice(lo, hi)))
+                logits = self.model.forward_block(state(step)[:, lo:hi], cache, **extra)
+                here = block_acting & (block_steps == step)
+                pieces.append(read(logits, here, col_targets[:, lo:hi]))
             if block < last:
-                self.model.forward_block(canvas_before(math.inf)[:, lo:hi], cache, extend=True)
-            parts.extend(_place(piece, lo, hi, length) for piece in pieces)
+                self.model.forward_block(state(math.inf)[:, lo:hi], cache, extend=True, **extra)
+            parts.extend(
+                tuple(_to_slots(layout, t) for t in _place(piece, lo, hi, width))
+                for piece in pieces
+            )
         return parts
+
+
+def check_block_order(
+    commit_steps: torch.Tensor, acting: torch.Tensor, layout: BlockLayout, scorer: str
+) -> None:
+    """Refuse traces whose actions in a completion block do not all come after every commit
+    of the row's earlier blocks (``commit_steps``/``acting`` ``[B, L]``; blocks per
+    ``layout``). A block walk (KV cache, packed replay) scores a block against the *final*
+    earlier blocks, which is the state the sampler acted in only under this order; a trace of
+    another block origin than the model's fails it."""
+    if not bool(acting.any()):
+        return
+    steps = layout.to_columns(commit_steps, -1)
+    size, blocks = layout.block_size, layout.num_blocks
+    padded = torch.nn.functional.pad(steps, (0, blocks * size - steps.shape[1]), value=-1)
+    block_last = padded.view(steps.shape[0], blocks, size).max(-1).values.cummax(1).values
+    earlier_last = torch.nn.functional.pad(block_last, (1, 0), value=-1)[:, :blocks]
+    col_block = torch.arange(steps.shape[1], device=steps.device) // size
+    late = layout.to_columns(acting, False) & (steps <= earlier_last[:, col_block])
+    if bool(late.any()):
+        raise ValueError(
+            f"commit_steps: {scorer} needs every row's commits in earlier blocks to precede its "
+            "actions in later blocks (as sample_tokens records them with the model's block "
+            "origin; a trace sampled with another block_origin breaks it); use "
+            "ReplayScorer(use_cache=False)"
+        )
+
+
+def _to_slots(layout: BlockLayout, t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else layout.to_slots(t)
 
 
 def _place(piece: tuple, lo: int, hi: int, length: int) -> tuple:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..contracts import DiffusionDistillationBatch, DiffusionTokenBatch
-from ..models.protocol import TokenDenoiser
+from ..models.protocol import TokenDenoiser, block_origin
 from .replay import ReplayScorer, ReplayScores
 
 
@@ -96,6 +96,7 @@ class TeacherScorer:
             teacher.attention == "block_causal"
             and getattr(teacher, "block_size", None) == trace.sampler.get("block_size")
             and hasattr(teacher, "forward_block")
+            and block_origin(teacher) == trace.model_info.get("block_origin", "prompt")
         )
         options.setdefault("use_cache", bool(trace.sampler.get("use_cache")) and same_blocks)
         options.setdefault("kernel_id", trace.kernel_ids.get("token_logprobs"))

@@ -3,7 +3,8 @@
 Layout of ``directory``::
 
     step_00000120/            one checkpoint
-        model.safetensors     model weights (``safetensors.torch.save_model``: tied weights ok)
+        model.safetensors     model weights (``safetensors.torch.save_model``: tied weights
+                              ok); a LoRA model's: only its adapter weights
         optimizer.pt          ``optimizer.state_dict()``
         trainer_state.pt      scheduler state, RNG states, counters, data position
         metadata.json         the run's configuration, checked on resume
@@ -20,8 +21,13 @@ itself is reported as such and not as a mismatch of the file it happens to hit.
 
 Invariants:
 
-* Writing: nothing is written unless every floating model tensor (parameters and buffers)
-  and every optimizer-state tensor is finite (:class:`NonFiniteStateError` otherwise). A
+* What is saved of the model is :func:`checkpoint_state`: its ``state_dict()``, or for a
+  model that carries a LoRA adapter (:func:`~diffusion_rl.models.lora.has_lora`) all but
+  its frozen parameters: the adapter weights (the frozen base comes from the base model
+  directory, which the run's configuration names). With the optimizer state (which holds only trained parameters), a
+  LoRA checkpoint is the size of the adapter, and a resume restores it bitwise.
+* Writing: nothing is written unless every floating saved model tensor (parameters and
+  buffers) and every optimizer-state tensor is finite (:class:`NonFiniteStateError` otherwise). A
   checkpoint is written as a staging sibling ``.tmp-step_*``; every file is fsynced, the
   manifest (hashes read back from disk) last, then the directory is renamed into place
   (``os.rename`` is atomic). ``latest`` is replaced atomically (temporary file, fsync,
@@ -70,6 +76,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from ..models.lora import has_lora
+
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointDiskFullError",
@@ -78,6 +86,7 @@ __all__ = [
     "LoadedCheckpoint",
     "NonFiniteStateError",
     "check_model_compatible",
+    "checkpoint_state",
     "load_weights",
     "read_checkpoint",
     "read_metadata",
@@ -414,8 +423,9 @@ def _optimizer_tensors(
 def _first_non_finite_state(
     model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[str, str] | None:
-    """``(tensor, what it holds)`` for the first non-finite model or optimizer-state tensor."""
-    for name, tensor in model.state_dict().items():
+    """``(tensor, what it holds)`` for the first non-finite saved model tensor or
+    optimizer-state tensor."""
+    for name, tensor in checkpoint_state(model).items():
         problem = _non_finite(tensor)
         if problem:
             return f"model tensor {name!r}", problem
@@ -553,6 +563,33 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
     )
 
 
+def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of ``model``: ``model.state_dict()``; for a model carrying a
+    LoRA adapter, its entries less every frozen parameter (``requires_grad`` False: the
+    base the adapter sits on). For one LoRA model that is its adapter weights; in a model of
+    several parts (workflow stages), a part trained in full keeps all of its weights."""
+    if not has_lora(model):
+        return model.state_dict()
+    return {
+        name: tensor.detach()
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        if not (isinstance(tensor, nn.Parameter) and not tensor.requires_grad)
+    }
+
+
+def _save_weights(model: nn.Module, file: Path) -> None:
+    if not has_lora(model):
+        safetensors.torch.save_model(model, str(file))
+        return
+    tensors: dict[str, torch.Tensor] = {}
+    stored: set[tuple] = set()
+    for name, tensor in checkpoint_state(model).items():  # tied weights: stored once
+        if _storage_key(tensor) not in stored:
+            stored.add(_storage_key(tensor))
+            tensors[name] = tensor.contiguous()
+    safetensors.torch.save_file(tensors, str(file), metadata={"format": "pt"})
+
+
 def check_model_compatible(path: str | os.PathLike, model: nn.Module) -> None:
     """Check the stored weights fit ``model`` (names, shapes, dtypes) without loading them.
 
@@ -562,7 +599,7 @@ def check_model_compatible(path: str | os.PathLike, model: nn.Module) -> None:
     :func:`read_checkpoint`.
     """
     path = Path(path)
-    model_state = model.state_dict()
+    model_state = checkpoint_state(model)
     problems: list[str] = []
     stored: set[str] = set()
     try:
@@ -602,7 +639,11 @@ def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
     """Check (:func:`check_model_compatible`), then load the stored weights into ``model``."""
     path = Path(path)
     check_model_compatible(path, model)
-    safetensors.torch.load_model(model, str(path / MODEL_FILE), strict=True)
+    if has_lora(model):  # checked above: exactly checkpoint_state's entries (tied once)
+        tensors = safetensors.torch.load_file(str(path / MODEL_FILE))
+        model.load_state_dict(tensors, strict=False)
+    else:
+        safetensors.torch.load_model(model, str(path / MODEL_FILE), strict=True)
 
 
 _SAFETENSORS_DTYPES = {
@@ -740,7 +781,7 @@ class CheckpointManager:
         tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir()
-            safetensors.torch.save_model(model, str(tmp / MODEL_FILE))
+            _save_weights(model, tmp / MODEL_FILE)
             _fsync_file(tmp / MODEL_FILE)
             _write_file(tmp / OPTIMIZER_FILE, lambda f: torch.save(optimizer.state_dict(), f))
             _write_file(tmp / TRAINER_STATE_FILE, lambda f: torch.save(trainer_state, f))

@@ -1,14 +1,19 @@
 """The four policy roles of on-policy RL, with versions.
 
 * **actor** — the trained model.
-* **reference** — a frozen copy of the actor at the start of training (KL anchor), or a
-  frozen model given explicitly (the teacher of on-policy distillation).
+* **reference** — a frozen copy of the actor at the start of training (KL anchor; for a
+  LoRA actor, the actor itself with its adapter switched off), or a frozen model given
+  explicitly (the teacher of on-policy distillation).
 * **old policy** — a snapshot of the actor at the start of each optimisation step, scored on
   the same states and actions as the live actor; optionally held off the compute device.
 * **rollout weights** — what the sampler runs; an in-memory copy synced from the actor, whose
   ``version`` increases by one on every sync. Every trace carries the version it was sampled
   with; the learner refuses a trace whose version is not the current one unless off-policy
   use is explicitly allowed.
+
+Frozen copies (rollout weights, snapshot, the reference of a full fine-tune) share the
+actor's frozen parameters and buffers (:func:`frozen_copy`): memory grows by the trainable
+weights only (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -16,13 +21,53 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from ..models.lora import LoraReference, has_lora, lora_reference
 
 
 class StaleTraceError(ValueError):
     """A trace sampled with weights other than the ones the learner is about to update."""
+
+
+def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def shared_tensors(model: nn.Module) -> dict[int, torch.Tensor]:
+    """What a frozen copy of ``model`` shares with it instead of copying, by ``id``: every
+    parameter without ``requires_grad`` and every buffer, except the running statistics of
+    batch-norm layers (the actor updates those in place while it trains)."""
+    updated = {
+        id(buffer)
+        for module in model.modules()
+        if isinstance(module, _NormBase)
+        for buffer in module.buffers(recurse=False)
+    }
+    shared = {id(p): p for p in model.parameters() if not p.requires_grad}
+    shared.update({id(b): b for b in model.buffers() if id(b) not in updated})
+    return shared
+
+
+def _move(model: nn.Module, device: torch.device | str, keep: dict[int, Any]) -> None:
+    """Move ``model`` to ``device``, except the tensors in ``keep`` (shared with another
+    model, which must stay where they are)."""
+    if not any(id(t) in keep for t in _tensors(model)):
+        model.to(device)
+        return
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None and id(param) not in keep:
+                    param.data = param.data.to(device)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and id(buffer) not in keep:
+                    module._buffers[name] = buffer.to(device)
 
 
 def _freeze(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
@@ -35,8 +80,35 @@ def _freeze(model: nn.Module, device: torch.device | str | None = None) -> nn.Mo
 
 
 def frozen_copy(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
-    """A deep copy of ``model`` in eval mode, without gradients, on ``device``."""
-    return _freeze(copy.deepcopy(model), device)
+    """A copy of ``model`` in eval mode, without gradients, on ``device``.
+
+    Only what training can change is copied: the tensors of :func:`shared_tensors` (frozen
+    parameters and buffers) are *shared* with ``model`` (the same objects; a deep copy with
+    them in its memo), so a LoRA actor or a pipeline with frozen encoders costs one copy of
+    its trainable weights, not of the base. Shared tensors stay on their device when the
+    copy moves. A model whose every parameter trains (and has no buffers) is copied whole,
+    exactly as ``copy.deepcopy`` does.
+    """
+    shared = shared_tensors(model)
+    clone = copy.deepcopy(model, dict(shared))
+    clone.eval()
+    for param in clone.parameters():
+        param.requires_grad_(False)
+    if device is not None:
+        _move(clone, device, shared)
+    return clone
+
+
+def copy_weights(target: nn.Module, source: nn.Module) -> None:
+    """Copy ``source``'s state-dict tensors into ``target``'s (same keys: ``target`` is a copy
+    of ``source``), skipping the tensors they share. Equal to
+    ``target.load_state_dict(source.state_dict())`` for a copy, without copying a shared base
+    onto itself."""
+    sources = source.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, tensor in target.state_dict(keep_vars=True).items():
+            if tensor is not sources[name]:
+                tensor.copy_(sources[name])
 
 
 class PolicyRoles:
@@ -44,8 +116,18 @@ class PolicyRoles:
 
     ``reference``: True for a frozen copy of the actor, False for none, or a model to freeze
     and use as the reference (e.g. a distillation teacher; it is frozen in place, not copied).
-    ``offload_device`` (e.g. ``"cpu"``) keeps the reference and the snapshot there between
-    uses; :meth:`on_compute` brings one to the actor's device for a scoring pass.
+    With a LoRA actor (peft adapter; :func:`~diffusion_rl.models.lora.has_lora`),
+    ``reference=True`` is the actor itself with its adapter switched off
+    (:func:`~diffusion_rl.models.lora.lora_reference`): no copy at all, and since a fresh
+    adapter adds exactly 0, the KL to the reference is exactly 0 before the first update.
+
+    The rollout copy and the snapshot are :func:`frozen_copy` s: they share the actor's frozen
+    parameters and buffers (a LoRA actor's base, a pipeline's encoders) and own copies of its
+    trainable weights, which :meth:`sync_rollout` / :meth:`take_snapshot` copy. The shared
+    tensors must stay frozen in the actor (they are never trained).
+    ``offload_device`` (e.g. ``"cpu"``) keeps the reference and the snapshot (what they own)
+    there between uses; :meth:`on_compute` brings one to the actor's device for a scoring
+    pass.
     """
 
     def __init__(
@@ -58,8 +140,11 @@ class PolicyRoles:
     ) -> None:
         self.actor = actor
         self.offload_device = offload_device
+        self.reference: Any
         if isinstance(reference, nn.Module):
             self.reference = _freeze(reference, offload_device or self.compute_device)
+        elif reference and has_lora(actor):
+            self.reference = lora_reference(actor)
         else:
             self.reference = frozen_copy(actor, offload_device) if reference else None
         self.rollout = frozen_copy(actor)
@@ -73,13 +158,13 @@ class PolicyRoles:
 
     def sync_rollout(self) -> int:
         """Copy the actor's weights into the rollout model (in memory); returns the new version."""
-        self.rollout.load_state_dict(self.actor.state_dict())
+        copy_weights(self.rollout, self.actor)
         self.version += 1
         return self.version
 
     def restore(self, version: int) -> None:
         """After a resume: the rollout weights are the (restored) actor's, at ``version``."""
-        self.rollout.load_state_dict(self.actor.state_dict())
+        copy_weights(self.rollout, self.actor)
         self.version = version
 
     def take_snapshot(self) -> nn.Module:
@@ -87,7 +172,7 @@ class PolicyRoles:
         if self._snapshot is None:
             self._snapshot = frozen_copy(self.actor, self.offload_device)
         else:
-            self._snapshot.load_state_dict(self.actor.state_dict())
+            copy_weights(self._snapshot, self.actor)
         self.snapshot_version = self.version
         return self._snapshot
 
@@ -99,15 +184,22 @@ class PolicyRoles:
 
     @contextlib.contextmanager
     def on_compute(self, model: nn.Module) -> Iterator[nn.Module]:
-        """Temporarily move an offloaded role to the compute device."""
-        if self.offload_device is None:
+        """The role ``model`` ready to score on the compute device: an offloaded one is moved
+        there for the block (what it shares with the actor stays put); the LoRA reference is
+        the actor with its adapter off, in eval mode (restored after the block)."""
+        if isinstance(model, LoraReference):
+            with model.active() as base:
+                yield base
+            return
+        if self.offload_device is None or not isinstance(model, nn.Module):
             yield model
             return
-        model.to(self.compute_device)
+        keep = shared_tensors(self.actor)
+        _move(model, self.compute_device, keep)
         try:
             yield model
         finally:
-            model.to(self.offload_device)
+            _move(model, self.offload_device, keep)
 
     def check_trace_version(self, trace_version: int, *, allow_off_policy: bool = False) -> None:
         if trace_version != self.version and not allow_off_policy:

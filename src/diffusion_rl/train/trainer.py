@@ -17,6 +17,10 @@ Invariants of :meth:`Trainer.train_step`:
 * optimizer state keeps its dtypes (bf16 parameters -> bf16 Adam moments), across skipped
   steps and resumes.
 
+A model carrying a LoRA adapter trains only its adapter (the parameters with
+``requires_grad``); its checkpoints hold the adapter and the optimizer state
+(:func:`~diffusion_rl.train.checkpoint.checkpoint_state`).
+
 Resume is exact: N steps straight equal N/2 steps, save, a fresh ``Trainer`` + :meth:`resume`,
 N/2 steps, bitwise on CPU (model, optimizer, scheduler, counters, torch / Python / NumPy RNGs
 and the trainer's generator are all restored).
@@ -43,6 +47,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils import _pytree as pytree
 
 from diffusion_rl.contracts import Extreme, LossOutput, WeightedMetric
+from diffusion_rl.models.lora import lora_settings
 from diffusion_rl.train.checkpoint import (
     TRAINER_STATE_FILE,
     CheckpointCorruptError,
@@ -439,9 +444,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------- checkpoints
     def full_metadata(self, metadata: Mapping[str, Any]) -> dict[str, Any]:
-        """``metadata`` plus the trainer's own settings under the reserved key ``"trainer"``."""
+        """``metadata`` plus the trainer's own settings under the reserved key ``"trainer"``
+        (with ``lora``, the adapter's settings, when the model trains a LoRA adapter: a
+        resume with other LoRA settings is refused by name)."""
         if "trainer" in metadata:
             raise ValueError("metadata: the key 'trainer' is reserved for the trainer's settings")
+        lora = lora_settings(self.model)
         return {
             **metadata,
             "trainer": {
@@ -453,6 +461,7 @@ class Trainer:
                     if list(self.parts) != [""]
                     else {}
                 ),
+                **({"lora": lora.model_dump(mode="json")} if lora is not None else {}),
             },
         }
 

@@ -6,7 +6,9 @@ Needs the ``hf`` extra (``transformers``, ``diffusers``, ``peft``, ``ftfy``). Re
 lora=LoraSettings(rank=32))`` on a local pipeline directory, or
 ``adapter_for_directory(path).from_pretrained(path, ...)`` to pick the adapter from the
 directory's ``model_index.json``; tests: ``SD3Adapter.tiny(seed)``. See :mod:`.base` for the
-conventions every adapter keeps.
+conventions every adapter keeps, :mod:`.export` for the merged export of a trained pipeline
+(``from diffusion_rl.models.diffusers_adapters.export import export_flow_model``), and
+docs/flow_models.md for training one from a config.
 """
 
 from __future__ import annotations

@@ -26,12 +26,29 @@ Trainability and checkpoints:
 * ``state_dict()`` holds exactly the weights training can change: the transformer's, or only
   its LoRA weights. The frozen parts come from the pipeline directory, so training
   checkpoints and in-memory weight syncs stay small; ``save_frozen=True`` keeps everything.
+* :meth:`FlowPipelineAdapter.merge_lora` folds the LoRA into the transformer's weights (peft's
+  merge) and :meth:`FlowPipelineAdapter.save_merged` writes the result as a plain diffusers
+  pipeline directory (no LoRA, no peft needed to load it).
+* :meth:`FlowPipelineAdapter.enable_activation_checkpointing` turns on the transformer's own
+  (diffusers') gradient checkpointing; ``output_shape`` is the pixels ``decode`` gives per
+  row.
+
+Text-embedding cache (:meth:`FlowPipelineAdapter.cache_text_embeddings`, off by default):
+with a cache of ``n`` prompts, every prompt is encoded *alone* (batch 1) and kept, keyed by
+the prompt string, for the ``n`` most recently used prompts (least recently used evicted).
+A row's conditioning then depends on its prompt only — never on its batch mates — so a cached
+row equals a fresh encode of that prompt bitwise. Without the cache a batch is encoded in one
+call of the pipeline's ``encode_prompt``, exactly as the pipeline does (rows may then differ
+from single-prompt encodes by float rounding: SD3's pooled CLIP projection, ~2e-7). The cache
+is emptied when the adapter moves or changes dtype (``to``, ``cuda``, ``half``, ...).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -126,6 +143,8 @@ class FlowPipelineAdapter(nn.Module):
         self.max_sequence_length = max_sequence_length
         self.negative_prompt = negative_prompt
         self.save_frozen = save_frozen
+        self.text_cache_size = 0
+        self._text_cache: OrderedDict[str, Conditioning] = OrderedDict()
         self.lora: LoraSettings | None = None
         for module in self.frozen_modules():
             module.requires_grad_(False)
@@ -199,13 +218,59 @@ class FlowPipelineAdapter(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the whole pipeline as a diffusers directory (what :meth:`from_pretrained`
-        reads). A LoRA adapter is refused: its weights are ``state_dict()``."""
+        reads). A LoRA adapter is refused: its weights are ``state_dict()``, or
+        :meth:`save_merged` writes the merged pipeline."""
         if self.lora is not None:
             raise ValueError(
                 "save_pretrained: the transformer carries a LoRA; save the LoRA weights with "
-                "state_dict() (the base pipeline directory is unchanged)"
+                "state_dict() (the base pipeline directory is unchanged), or the merged "
+                "pipeline with save_merged(directory)"
             )
         self.as_pipeline().save_pretrained(str(directory))
+
+    def merge_lora(self) -> None:
+        """Fold the LoRA into the transformer's weights in place (peft's merge,
+        ``W + (alpha / rank) B A`` per target layer) and remove the LoRA layers: afterwards the
+        adapter is the plain model that equals the LoRA model (to float rounding of the merged
+        weights: exact up to ~1e-6 in float32; bf16 weights round the sum to bf16), with
+        ``lora = None`` and the whole transformer trainable again."""
+        if self.lora is None:
+            raise ValueError("merge_lora: this adapter has no LoRA (lora=None)")
+        self.transformer.fuse_lora(lora_scale=1.0)
+        self.transformer.unload_lora()
+        self.transformer.requires_grad_(True)
+        self.lora = None
+
+    def save_merged(self, directory: str | Path, *, in_place: bool = False) -> Path:
+        """Write a plain diffusers pipeline directory of this model: the LoRA (if any)
+        merged into the transformer (:meth:`merge_lora`), every other component as loaded.
+        ``DiffusionPipeline.from_pretrained(directory)`` (and :meth:`from_pretrained`) load it
+        without peft. ``in_place=False`` merges a copy of the transformer (this adapter keeps
+        its LoRA; the copy costs one transformer of memory); ``in_place=True`` merges this
+        adapter's own (it is the merged model afterwards). Returns ``directory``."""
+        directory = Path(directory)
+        if self.lora is None:
+            self.save_pretrained(directory)
+            return directory
+        if in_place:
+            self.merge_lora()
+            self.save_pretrained(directory)
+            return directory
+        transformer = copy.deepcopy(self.transformer)
+        transformer.fuse_lora(lora_scale=1.0)
+        transformer.unload_lora()
+        pipeline = self.as_pipeline()
+        pipeline.register_modules(transformer=transformer)
+        pipeline.save_pretrained(str(directory))
+        return directory
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """The pixels :meth:`decode` gives per row: ``(3, H, W)`` for an image model (the
+        latent grid times the VAE's ``vae_scale_factor``), ``(F, 3, H, W)`` for video."""
+        _, height, width = self.latent_shape
+        f = self.vae_scale_factor
+        return (3, height * f, width * f)
 
     # ------------------------------------------------------------------ trainability
     def frozen_modules(self) -> list[nn.Module]:
@@ -217,8 +282,24 @@ class FlowPipelineAdapter(nn.Module):
             module.eval()
         return self
 
+    def enable_activation_checkpointing(self, enabled: bool = True) -> None:
+        """Recompute the transformer's blocks in the backward pass instead of keeping their
+        activations (diffusers' own gradient checkpointing; active in training mode): less
+        memory, the same forward values and gradients."""
+        if enabled:
+            self.transformer.enable_gradient_checkpointing()
+        else:
+            self.transformer.disable_gradient_checkpointing()
+
+    def _apply(self, fn, recurse: bool = True):
+        # ``to`` / ``cuda`` / ``half`` reach every module through ``_apply``: cached rows
+        # of the old device or dtype would no longer be what an encode now gives.
+        self._text_cache.clear()
+        return super()._apply(fn, recurse)
+
     def add_lora(self, settings: LoraSettings | dict) -> None:
-        """Wrap the transformer's target modules with LoRA; only LoRA weights stay trainable."""
+        """Wrap the transformer's target modules with LoRA; only LoRA weights stay trainable,
+        in float32 whatever the base weights' dtype."""
         from peft import LoraConfig
 
         settings = LoraSettings.model_validate(settings)
@@ -234,6 +315,10 @@ class FlowPipelineAdapter(nn.Module):
         self.transformer.add_adapter(config)
         for name, param in self.transformer.named_parameters():
             param.requires_grad_(".lora_" in name)
+            if ".lora_" in name and param.dtype != torch.float32:
+                # the trained weights stay float32 under bf16 base weights (peft casts the
+                # layer's input to them), so small updates are not lost to bf16 rounding
+                param.data = param.data.float()
         self.lora = settings
 
     @contextlib.contextmanager
@@ -291,14 +376,43 @@ class FlowPipelineAdapter(nn.Module):
         return velocity.to(latents.dtype)
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        """Prompts → conditioning with ``len(prompts)`` rows; no gradient."""
+        """Prompts → conditioning with ``len(prompts)`` rows; no gradient. With the text
+        cache on (:meth:`cache_text_embeddings`) each distinct prompt is encoded alone, once,
+        and its row reused (module docstring)."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts: expected a list of strings")
         if len(prompts) == 0:
             raise ValueError("prompts: expected at least one prompt")
+        if self.text_cache_size == 0:
+            with torch.no_grad():
+                cond = self._encode(list(prompts))
+            return {key: value.detach() for key, value in cond.items()}
+        rows = {prompt: self._cached_encode(prompt) for prompt in dict.fromkeys(prompts)}
+        first = rows[prompts[0]]
+        return {key: torch.cat([rows[p][key] for p in prompts]) for key in first}
+
+    def cache_text_embeddings(self, max_prompts: int) -> None:
+        """Keep the conditioning of the ``max_prompts`` most recently encoded prompts
+        (``0``: no cache, batches encoded in one call). Memory: one row per prompt, e.g.
+        SD3 at 256 T5 tokens in bf16 ≈ 2.7 MB (``333 × 4096 × 2`` bytes)."""
+        if isinstance(max_prompts, bool) or not isinstance(max_prompts, int) or max_prompts < 0:
+            raise ValueError(f"max_prompts: expected an int >= 0, got {max_prompts!r}")
+        self.text_cache_size = max_prompts
+        while len(self._text_cache) > max_prompts:
+            self._text_cache.popitem(last=False)
+
+    def _cached_encode(self, prompt: str) -> Conditioning:
+        """The one-row conditioning of ``prompt``, from the cache or encoded alone."""
+        cache = self._text_cache
+        if prompt in cache:
+            cache.move_to_end(prompt)
+            return cache[prompt]
         with torch.no_grad():
-            cond = self._encode(list(prompts))
-        return {key: value.detach() for key, value in cond.items()}
+            row = {key: value.detach() for key, value in self._encode([prompt]).items()}
+        cache[prompt] = row
+        while len(cache) > self.text_cache_size:
+            cache.popitem(last=False)
+        return row
 
     def empty_condition(self, batch_size: int) -> Conditioning:
         """The unconditional rows: ``negative_prompt`` (default ``""``) encoded once and

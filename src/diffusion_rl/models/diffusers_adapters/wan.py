@@ -14,6 +14,7 @@ pipelines are refused with an error rather than run with one expert.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from diffusers import (
 from ..protocol import Conditioning
 from .base import FlowPipelineAdapter, LoraSettings, check_resolution
 from .tiny import seeded, tiny_t5_encoder, tiny_t5_tokenizer
+
+WAN_VAE_CHUNK = 4  # AutoencoderKLWan._encode: the first frame, then 4 frames per chunk
 
 
 class WanAdapter(FlowPipelineAdapter):
@@ -75,10 +78,14 @@ class WanAdapter(FlowPipelineAdapter):
         patch = self.transformer.config.patch_size
         height = check_resolution("height", height, spatial * patch[1])
         width = check_resolution("width", width, spatial * patch[2])
-        if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % temporal:
+        # AutoencoderKLWan encodes the first frame, then chunks of 4 frames (hard-coded), each
+        # to 4 / temporal latent frames: only 1 + multiples of 4 encode to ``latent_shape``.
+        chunk = math.lcm(temporal, WAN_VAE_CHUNK)
+        if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % chunk:
             raise ValueError(
                 f"num_frames: expected 1 + a multiple of {temporal} (the VAE's temporal "
-                f"factor), got {num_frames!r}"
+                f"factor) and of {WAN_VAE_CHUNK} (the frames its encoder takes at a time), "
+                f"got {num_frames!r}"
             )
         self.latent_shape = (
             vae.z_dim,
@@ -86,6 +93,19 @@ class WanAdapter(FlowPipelineAdapter):
             height // spatial,
             width // spatial,
         )
+
+    @property
+    def output_shape(self) -> tuple[int, int, int, int]:
+        """``(num_frames, 3, height, width)``: the clip :meth:`decode` gives per row."""
+        vae = self.vae.config
+        _, frames, height, width = self.latent_shape
+        spatial = vae.scale_factor_spatial
+        return ((frames - 1) * vae.scale_factor_temporal + 1, 3, height * spatial, width * spatial)
+
+    def encode_videos(self, clips: torch.Tensor) -> torch.Tensor:
+        """Clips ``[B, F, 3, H, W]`` in ``[0, 1]`` → latents (the posterior mean):
+        :meth:`encode_images` under the name the video recipes call."""
+        return self.encode_images(clips)
 
     def _velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning):
         return self.transformer(
