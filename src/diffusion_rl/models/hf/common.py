@@ -565,8 +565,10 @@ class HFTokenDenoiser(nn.Module):
     """A stock transformers decoder behind the :class:`~diffusion_rl.models.TokenDenoiser`
     protocol. Subclasses set ``family``, ``key_map``, ``network_class_name`` and implement
     :meth:`stock_config`, :meth:`parameter_count`, :meth:`vocab_size_of`,
-    :meth:`max_seq_len_of`; the base class does loading, saving, the bidirectional forward,
-    activation checkpointing and the parameter count.
+    :meth:`max_seq_len_of`; the base class does loading, saving, the forward (bidirectional
+    unless :meth:`canvas_mask` is overridden, as SDAR's block-causal mask does), activation
+    checkpointing and the parameter count. :meth:`saved_config` is what
+    :meth:`save_pretrained` writes as ``config.json``.
 
     ``self.network`` is the stock model (``self.network.config`` its transformers config);
     ``self.config`` the family's own config (:class:`FamilyConfig`). ``alignment`` is the
@@ -677,17 +679,29 @@ class HFTokenDenoiser(nn.Module):
             )
 
     def run_network(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        **network_options: Any,
     ) -> torch.Tensor:
         """The stock network's raw logits ``[B, T, V]`` (native alignment) for an explicit
-        bool ``attention_mask [B, 1, T, T]`` (True = may attend) and ``position_ids [B, T]``."""
+        bool ``attention_mask [B, 1, T, K]`` (True = may attend) and ``position_ids [B, T]``;
+        ``network_options`` go to the network's forward as they are (e.g. a KV cache view)."""
         out = self.network(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **network_options,
         )
         return out.logits
+
+    def canvas_mask(self, key_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The bool attention mask ``[B, 1, T, T]`` of a canvas with ``key_mask [B, T]`` and
+        ``position_ids [B, T]``: :func:`bidirectional_mask` (positions unused). A block-causal
+        family overrides it; every real query must see at least one key."""
+        return bidirectional_mask(key_mask)
 
     def raw_logits(
         self,
@@ -696,9 +710,9 @@ class HFTokenDenoiser(nn.Module):
         *,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The network's logits in its native alignment, full bidirectional attention with
-        key padding (:func:`bidirectional_mask`) and ``position_ids`` (default:
-        :func:`protocol_positions`)."""
+        """The network's logits in its native alignment, with the attention of
+        :meth:`canvas_mask` (by default full bidirectional attention with key padding) and
+        ``position_ids`` (default: :func:`protocol_positions`)."""
         self.check_input_ids(input_ids)
         if key_mask is None:
             key_mask = torch.ones_like(input_ids, dtype=torch.bool)
@@ -708,7 +722,7 @@ class HFTokenDenoiser(nn.Module):
             )
         if position_ids is None:
             position_ids = protocol_positions(key_mask)
-        return self.run_network(input_ids, bidirectional_mask(key_mask), position_ids)
+        return self.run_network(input_ids, self.canvas_mask(key_mask, position_ids), position_ids)
 
     def forward(
         self,
@@ -810,17 +824,22 @@ class HFTokenDenoiser(nn.Module):
             )
         return state
 
+    def saved_config(self) -> dict[str, Any]:
+        """The ``config.json`` object :meth:`save_pretrained` writes: the values the model was
+        loaded with (a deep copy)."""
+        return self.config.model_dump()
+
     def save_pretrained(
         self, directory: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     ) -> None:
-        """Write the family's own checkpoint into ``directory``: its ``config.json`` (the
-        values it was loaded with), the weights under its own key names (safetensors, sharded
+        """Write the family's own checkpoint into ``directory``: its ``config.json``
+        (:meth:`saved_config`), the weights under its own key names (safetensors, sharded
         past ``max_shard_bytes``) and the extra JSON files it came with, so the family's own
         loader reads the directory."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         write_weights(self.family_state(), directory, max_shard_bytes=max_shard_bytes)
-        (directory / CONFIG_FILE).write_text(json.dumps(self.config.model_dump(), indent=2) + "\n")
+        (directory / CONFIG_FILE).write_text(json.dumps(self.saved_config(), indent=2) + "\n")
         for name, value in self.extra_files.items():
             (directory / name).write_text(json.dumps(value, indent=2) + "\n")
 
