@@ -27,28 +27,41 @@ completion"):
   ``prompt_length // block_size`` blocks, then denoise block by block).
 * **Packed replay** (:meth:`forward_packed`): any bool ``[B, T, T]`` layout and positions.
 
-Requires transformers >= 5 (``rope_parameters``, the ``cache`` keyword). Checkpoint loading is
-safetensors only (``model.safetensors`` or a sharded ``model.safetensors.index.json``).
+Loading, saving, the local-directory check, dtype resolution and activation checkpointing are
+:class:`~diffusion_rl.models.hf.common.HFTokenDenoiser`'s (shared with LLaDA and Dream):
+safetensors only (``model.safetensors`` or a sharded ``model.safetensors.index.json``), every
+key checked strictly (a tied checkpoint may omit ``lm_head.weight``). This module holds what
+is SDAR's own: the config checks and Qwen3 mapping, the canvas-origin block mask, the block KV
+cache and the packed forward. Requires transformers >= 5.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..loading import ModelConfigError
+from .common import (
+    CONFIG_FILE,
+    LAYER_LIMIT,
+    LLAMA_LINEAR_NAMES,
+    POSITION_LIMIT,
+    HFTokenDenoiser,
+    config_bool,
+    config_float,
+    config_int,
+    config_value,
+    linear_params,
+    protocol_positions,
+    require_transformers,
+)
+
 MODEL_TYPE = "sdar"
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-MAX_CONFIG_BYTES = 1 << 20
 
 # The largest sizes accepted from a config.json (checked before anything is allocated): far
 # above released SDAR models (vocab 151936, hidden 4096, 36 layers), far below absurd.
@@ -56,22 +69,23 @@ SIZE_LIMITS: dict[str, int] = {
     "vocab_size": 1 << 22,
     "hidden_size": 1 << 16,
     "intermediate_size": 1 << 18,
-    "num_hidden_layers": 1024,
-    "num_attention_heads": 1024,
-    "num_key_value_heads": 1024,
+    "num_hidden_layers": LAYER_LIMIT,
+    "num_attention_heads": LAYER_LIMIT,
+    "num_key_value_heads": LAYER_LIMIT,
     "head_dim": 1 << 12,
     "block_size": 1 << 16,
-    "max_position_embeddings": 1 << 24,
+    "max_position_embeddings": POSITION_LIMIT,
 }
-REQUIRED_KEYS = (
+REQUIRED_SIZES = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
     "num_attention_heads",
     "block_size",
-    "mask_token_id",
 )
+"""Size keys every SDAR ``config.json`` names (``mask_token_id`` too, checked against the
+vocabulary)."""
 IGNORED_KEYS = (
     "attn_implementation",
     "fuse_cross_entropy",
@@ -85,36 +99,26 @@ IGNORED_KEYS = (
 """Keys of the released config that switch SDAR's *training* code; they never change this
 adapter's computation (kept verbatim by :meth:`SDARDenoiser.save_pretrained`)."""
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class SDARCheckpointError(ValueError):
-    """An SDAR directory or ``config.json`` this adapter cannot load; the message names the
-    file and the key, and says what to do."""
+SDARCheckpointError = ModelConfigError
+"""An SDAR ``config.json`` this adapter refuses (the message names the file and the key):
+:class:`~diffusion_rl.models.loading.ModelConfigError`, the error of every family's config
+checks. Weights that do not fit are
+:class:`~diffusion_rl.models.hf.common.CheckpointKeyError` (missing / unexpected keys named) or
+:class:`~diffusion_rl.models.hf.common.CheckpointFormatError` (not safetensors); all three are
+``ValueError``."""
 
 
 # --------------------------------------------------------------------------------- config
-def _check_int(config: dict, key: str, path: str, *, low: int = 1) -> int:
-    value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SDARCheckpointError(
-            f"{path}: {key} must be an integer, got {type(value).__name__} {value!r}"
-        )
-    high = SIZE_LIMITS.get(key)
-    if value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise SDARCheckpointError(f"{path}: {key} must be in {bound}, got {value}")
-    return value
-
-
 def check_config(config: Any, path: str = CONFIG_FILE) -> dict:
     """Validate an SDAR ``config.json`` dict (``path`` names it in messages) and return the
-    resolved sizes: the required keys, ``num_key_value_heads`` (default: the heads),
-    ``head_dim`` (default ``hidden_size // num_attention_heads``), ``tie_word_embeddings``,
-    ``attention_bias``. Refuses (:class:`SDARCheckpointError`) another ``model_type``, a
-    missing or non-integer size, sizes beyond :data:`SIZE_LIMITS`, a mask id outside the
-    vocabulary, an activation other than SiLU, and a sliding window (not SDAR's mask)."""
-    if not isinstance(config, dict):
+    resolved sizes: :data:`REQUIRED_SIZES`, ``mask_token_id``, ``num_key_value_heads``
+    (default: the heads), ``head_dim`` (default ``hidden_size // num_attention_heads``),
+    ``max_position_embeddings`` (default 32768), ``tie_word_embeddings``, ``attention_bias``,
+    ``rms_norm_eps``, ``rope_theta``. Refuses (:data:`SDARCheckpointError`) another
+    ``model_type``, a missing or non-integer size, sizes beyond :data:`SIZE_LIMITS`, a mask id
+    outside the vocabulary, an activation other than SiLU, and a sliding window (not SDAR's
+    mask)."""
+    if not isinstance(config, Mapping):
         raise SDARCheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
     if model_type != MODEL_TYPE:
@@ -126,56 +130,43 @@ def check_config(config: Any, path: str = CONFIG_FILE) -> dict:
         raise SDARCheckpointError(
             f"{path}: model_type must be {MODEL_TYPE!r} for SDARDenoiser, got {model_type!r}{hint}"
         )
-    missing = [k for k in REQUIRED_KEYS if k not in config]
-    if missing:
-        raise SDARCheckpointError(f"{path}: missing keys {missing} (an SDAR config names them)")
-    sizes = {k: _check_int(config, k, path) for k in REQUIRED_KEYS if k != "mask_token_id"}
+    sizes: dict[str, Any] = {
+        key: config_int(config, key, where=path, high=SIZE_LIMITS[key]) for key in REQUIRED_SIZES
+    }
     heads = sizes["num_attention_heads"]
     for key, default in (
         ("num_key_value_heads", heads),
         ("head_dim", sizes["hidden_size"] // heads),
         ("max_position_embeddings", 32768),
     ):
-        sizes[key] = default if config.get(key) is None else _check_int(config, key, path)
-    sizes["mask_token_id"] = _check_int(config, "mask_token_id", path, low=0)
-    if sizes["mask_token_id"] >= sizes["vocab_size"]:
-        raise SDARCheckpointError(
-            f"{path}: mask_token_id must be < vocab_size={sizes['vocab_size']}, got "
-            f"{sizes['mask_token_id']}"
-        )
+        sizes[key] = config_int(config, key, default, where=path, high=SIZE_LIMITS[key])
+    sizes["mask_token_id"] = config_int(
+        config, "mask_token_id", where=path, low=0, high=sizes["vocab_size"] - 1
+    )
     if heads % sizes["num_key_value_heads"]:
         raise SDARCheckpointError(
             f"{path}: num_attention_heads={heads} must be a multiple of num_key_value_heads="
             f"{sizes['num_key_value_heads']}"
         )
-    if config.get("hidden_act", "silu") != "silu":
-        raise SDARCheckpointError(
-            f"{path}: hidden_act must be 'silu' (SDAR's SwiGLU), got {config['hidden_act']!r}"
-        )
-    if config.get("use_sliding_window", False):
+    act = config_value(config, "hidden_act", "silu", where=path)
+    if act != "silu":
+        raise SDARCheckpointError(f"{path}: hidden_act must be 'silu' (SDAR's SwiGLU), got {act!r}")
+    if config_bool(config, "use_sliding_window", False, where=path):
         raise SDARCheckpointError(
             f"{path}: use_sliding_window=true is not SDAR's block-causal attention; set it false"
         )
     for key in ("tie_word_embeddings", "attention_bias"):
-        value = config.get(key, False)
-        if not isinstance(value, bool):
-            raise SDARCheckpointError(f"{path}: {key} must be true or false, got {value!r}")
-        sizes[key] = value
+        sizes[key] = config_bool(config, key, False, where=path)
     for key, default in (("rms_norm_eps", 1e-6), ("rope_theta", 1e6)):
-        value = config.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise SDARCheckpointError(f"{path}: {key} must be a positive number, got {value!r}")
-        sizes[key] = float(value)
+        sizes[key] = config_float(config, key, default, where=path)
     scaling = config.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
         raise SDARCheckpointError(f"{path}: rope_scaling must be null or an object")
     return sizes
 
 
-def qwen3_config(config: dict, path: str = CONFIG_FILE):
+def qwen3_config(config: Mapping[str, Any], path: str = CONFIG_FILE):
     """The stock ``Qwen3Config`` of an SDAR ``config.json`` dict, with SDPA attention."""
-    from transformers import Qwen3Config
-
     sizes = check_config(config, path)
     rope = {"rope_type": "default"}
     if config.get("rope_scaling"):
@@ -183,7 +174,7 @@ def qwen3_config(config: dict, path: str = CONFIG_FILE):
         rope = {**scaling, "rope_type": scaling.get("rope_type", scaling.get("type", "default"))}
         rope.pop("type", None)
     rope["rope_theta"] = sizes["rope_theta"]
-    qwen = Qwen3Config(
+    qwen = require_transformers().Qwen3Config(
         vocab_size=sizes["vocab_size"],
         hidden_size=sizes["hidden_size"],
         intermediate_size=sizes["intermediate_size"],
@@ -196,7 +187,9 @@ def qwen3_config(config: dict, path: str = CONFIG_FILE):
         rms_norm_eps=sizes["rms_norm_eps"],
         rope_parameters=rope,
         attention_bias=sizes["attention_bias"],
-        attention_dropout=float(config.get("attention_dropout", 0.0)),
+        attention_dropout=config_float(
+            config, "attention_dropout", 0.0, where=path, positive=False
+        ),
         tie_word_embeddings=sizes["tie_word_embeddings"],
         use_sliding_window=False,
         use_cache=False,
@@ -208,7 +201,7 @@ def qwen3_config(config: dict, path: str = CONFIG_FILE):
     return qwen
 
 
-def parameter_count(config: dict) -> int:
+def parameter_count(config: Mapping[str, Any]) -> int:
     """Parameters of the SDAR model ``config`` describes, from the sizes alone (nothing is
     allocated); equal to :meth:`SDARDenoiser.num_parameters`.
 
@@ -221,70 +214,11 @@ def parameter_count(config: dict) -> int:
     s = check_config(config)
     v, d, f, n = s["vocab_size"], s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
     q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
-    attn = d * q + 2 * d * kv + q * d + (q + 2 * kv + d if s["attention_bias"] else 0)
-    layer = attn + 2 * s["head_dim"] + 3 * d * f + 2 * d
+    bias = s["attention_bias"]
+    attn = linear_params(d, q, bias) + 2 * linear_params(d, kv, bias) + linear_params(q, d, bias)
+    layer = attn + 2 * s["head_dim"] + 2 * linear_params(d, f) + linear_params(f, d) + 2 * d
     head = 0 if s["tie_word_embeddings"] else v * d
     return v * d + n * layer + d + head
-
-
-# ---------------------------------------------------------------------------------- files
-def _local_directory(path: str | Path) -> Path:
-    directory = Path(path)
-    if directory.is_dir():
-        return directory
-    text = str(path)
-    if not directory.exists() and _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
-        raise SDARCheckpointError(
-            f"{text!r} is not a local directory (a hub id?); nothing is downloaded: pass a local "
-            f"directory, e.g. `hf download {text} --local-dir DIR`"
-        )
-    raise SDARCheckpointError(f"{text}: not a directory (pass an SDAR checkpoint directory)")
-
-
-def _read_config(directory: Path) -> dict:
-    path = directory / CONFIG_FILE
-    if not path.is_file():
-        raise SDARCheckpointError(f"{path}: missing (an SDAR directory holds config.json)")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise SDARCheckpointError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise SDARCheckpointError(f"{path}: not valid JSON ({error})") from None
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    single = directory / WEIGHTS_FILE
-    if single.is_file():
-        return [single]
-    index = directory / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise SDARCheckpointError(f"{index}: expected JSON with a 'weight_map'") from None
-        shards = sorted(set(weight_map.values()))
-        for name in shards:
-            if (
-                not isinstance(name, str)
-                or Path(name).name != name
-                or not name.endswith(".safetensors")
-            ):
-                raise SDARCheckpointError(
-                    f"{index}: weight_map names {name!r}; shards must be *.safetensors files "
-                    "in the same directory"
-                )
-            if not (directory / name).is_file():
-                raise SDARCheckpointError(f"{index}: shard {name} is missing from {directory}")
-        return [directory / name for name in shards]
-    others = sorted(p.name for p in directory.glob("*") if p.suffix in (".bin", ".pt", ".pth"))
-    if others:
-        raise SDARCheckpointError(
-            f"{directory}: only {others} (pickle) weights; this loader reads safetensors only: "
-            "convert them to model.safetensors (e.g. load with transformers and save with "
-            "safe_serialization=True) on a trusted machine"
-        )
-    raise SDARCheckpointError(f"{directory}: no {WEIGHTS_FILE} or {INDEX_FILE}")
 
 
 # ---------------------------------------------------------------------------------- cache
@@ -328,16 +262,6 @@ class _CallCache:
         return keys, values
 
 
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """``None``, a ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float32"``)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"dtype: expected a floating torch dtype or its name, got {dtype!r}")
-    return resolved
-
-
 def _cache_keyword() -> str:
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
@@ -356,119 +280,103 @@ def _with_self(allowed: torch.Tensor) -> torch.Tensor:
     return allowed | eye
 
 
+def _block_causal(keys: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Bool ``[B, T, T]``: query ``i`` sees key ``j`` iff ``keys[j]`` and ``block(j) <=
+    block(i)``, with ``block = position // block_size`` (SDAR's canvas-origin blocks)."""
+    blocks = positions // block_size
+    return keys[:, None, :] & (blocks[:, None, :] <= blocks[:, :, None])
+
+
 # ---------------------------------------------------------------------------------- model
-class SDARDenoiser(nn.Module):
+class SDARDenoiser(HFTokenDenoiser):
     """An SDAR / TraDo checkpoint as a :class:`~diffusion_rl.models.BlockCachedDenoiser`
     (block-causal, ``block_origin = "canvas"``, same-position logits) with packed replay.
 
-    ``SDARDenoiser(config)`` builds a randomly initialised model from an SDAR ``config.json``
-    dict (kept as :attr:`config` and written back by :meth:`save_pretrained`);
-    :meth:`from_pretrained` loads a checkpoint directory. The network is
-    ``self.network``, a stock ``Qwen3ForCausalLM`` whose state-dict keys are SDAR's.
+    ``SDARDenoiser(config)`` builds a randomly initialised model (the stock class's own init,
+    from torch's current random state) from an SDAR ``config.json`` dict;
+    ``SDARDenoiser(network, config, extra_files)`` wraps a built network, as
+    :meth:`from_pretrained` and :meth:`from_config` do. :attr:`config` holds the SDAR values
+    (written back by :meth:`save_pretrained`, ``torch_dtype`` updated); ``self.network`` is a
+    stock ``Qwen3ForCausalLM`` whose state-dict keys are SDAR's.
     """
 
-    alignment = "same_position"
+    family = "SDAR"  # key_map: the base's identity map (SDAR's keys are Qwen3's)
+    network_class_name = "Qwen3ForCausalLM"
     attention = "block_causal"
     block_origin = "canvas"
     model_type = MODEL_TYPE
-    lora_targets: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
+    lora_targets = LLAMA_LINEAR_NAMES
     size_limits = SIZE_LIMITS
 
-    def __init__(self, config: dict, *, _meta: bool = False) -> None:
-        super().__init__()
-        from transformers import Qwen3ForCausalLM
-
-        qwen = qwen3_config(config)
-        self.config = dict(config)
-        self._sizes = check_config(config)
-        if _meta:
-            with torch.device("meta"):
-                self.network = Qwen3ForCausalLM(qwen)
-        else:
-            self.network = Qwen3ForCausalLM(qwen)
+    def __init__(
+        self,
+        network: nn.Module | Mapping[str, Any],
+        family_config: Mapping[str, Any] | None = None,
+        extra_files: Mapping[str, dict] | None = None,
+    ) -> None:
+        if isinstance(network, Mapping):
+            if family_config is not None or extra_files is not None:
+                raise TypeError(
+                    "SDARDenoiser(config) takes the config alone; pass a built network first "
+                    "to give family_config / extra_files"
+                )
+            family_config, network = network, self.network_class()(qwen3_config(network))
+        super().__init__(network, family_config, extra_files)
+        self._block_size = check_config(family_config)["block_size"]
         self._cache_keyword = _cache_keyword()
 
-    # ------------------------------------------------------------------ protocol fields
-    @property
-    def vocab_size(self) -> int:
-        return self._sizes["vocab_size"]
-
-    @property
-    def mask_token_id(self) -> int:
-        return self._sizes["mask_token_id"]
-
-    @property
-    def block_size(self) -> int:
-        return self._sizes["block_size"]
+    # ------------------------------------------------------------------ family hooks
+    @classmethod
+    def stock_config(cls, config: Mapping[str, Any], where: str = CONFIG_FILE):
+        """:func:`qwen3_config`."""
+        return qwen3_config(config, where)
 
     @classmethod
-    def parameter_count(cls, config: dict) -> int:
+    def parameter_count(cls, config: Mapping[str, Any]) -> int:
         """:func:`parameter_count` (from ``config.json``, nothing allocated)."""
         return parameter_count(config)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+    @classmethod
+    def vocab_size_of(cls, config: Mapping[str, Any]) -> int:
+        return check_config(config)["vocab_size"]
+
+    @classmethod
+    def max_seq_len_of(cls, config: Mapping[str, Any]) -> int:
+        return check_config(config)["max_position_embeddings"]
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def saved_config(self) -> dict[str, Any]:
+        """The SDAR config this model was built from, ``torch_dtype`` set to its weights'."""
+        config = super().saved_config()
+        config["torch_dtype"] = str(next(self.network.parameters()).dtype).removeprefix("torch.")
+        return config
 
     def enable_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Recompute each decoder layer in backward through transformers' own gradient
-        checkpointing (non-reentrant, so gradients also reach the block KV cache's keys,
-        which a block forward reads but does not take as inputs)."""
-        network = self.network
-        if enabled:
-            kwargs = {"use_reentrant": False}
-            if hasattr(network, "activation_checkpointing_enable"):  # transformers >= 5.x
-                network.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                network.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            for layer in network.model.layers:  # our cache view is pure: safe to recompute
-                layer._can_checkpoint_with_cache = True
-        elif hasattr(network, "activation_checkpointing_disable"):
-            network.activation_checkpointing_disable()
-        else:
-            network.gradient_checkpointing_disable()
+        """The shared activation checkpointing (non-reentrant, so gradients also reach the
+        block KV cache's keys, which a block forward reads but does not take as inputs), with
+        each decoder layer allowed to recompute under a cache: the cache view is pure."""
+        super().enable_activation_checkpointing(enabled)
+        for layer in self.network.model.layers:
+            layer._can_checkpoint_with_cache = enabled
 
     # ------------------------------------------------------------------ forwards
     def _run(self, ids, positions, allowed, cache: _CallCache | None = None) -> torch.Tensor:
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= self.vocab_size:
-            raise ValueError(
-                f"input_ids: ids must be in [0, vocab_size={self.vocab_size}), got [{low}, "
-                f"{high}]; is the tokenizer the model's?"
-            )
+        """Logits for the bool ``allowed [B, T, K]`` (``K`` = cached + ``T`` keys)."""
+        self.check_input_ids(ids)
         options = {} if cache is None else {self._cache_keyword: cache}
-        out = self.network(
-            input_ids=ids,
-            attention_mask=allowed[:, None],
-            position_ids=positions,
-            use_cache=False,
-            **options,
-        )
-        return out.logits
+        return self.run_network(ids, allowed[:, None], positions, **options)
 
-    def forward(
-        self, input_ids: torch.Tensor, key_mask: torch.Tensor | None = None, prompt_length: int = 0
-    ) -> torch.Tensor:
-        """Target-aligned logits ``[B, T, V]`` of the canvas ``input_ids [B, T]``.
-
-        Position ``cumsum(key_mask) - 1``; block ``position // block_size``; query ``i`` sees
-        key ``j`` iff ``key_mask[j]`` and ``block(j) <= block(i)``. ``prompt_length`` is not
-        used: SDAR's blocks start at the first real token, not at the completion.
-        """
-        if key_mask is None:
-            key_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        key_mask = key_mask.bool()
-        positions = (key_mask.long().cumsum(1) - 1).clamp_min(0)
-        blocks = positions // self.block_size
-        allowed = key_mask[:, None, :] & (blocks[:, None, :] <= blocks[:, :, None])
-        return self._run(input_ids, positions, _with_self(allowed))
+    def canvas_mask(self, key_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """SDAR's block-causal mask ``[B, 1, T, T]`` (what :meth:`forward` attends with): query
+        ``i`` sees key ``j`` iff ``key_mask[j]`` and ``block(j) <= block(i)``, block
+        ``position // block_size``. With the default positions ``cumsum(key_mask) - 1`` the
+        blocks start at the first real token (the canvas), so ``prompt_length`` is not used.
+        A query with no key (padding) sees itself (never read; keeps SDPA finite)."""
+        allowed = _block_causal(key_mask.bool(), position_ids, self.block_size)
+        return _with_self(allowed)[:, None]
 
     def forward_packed(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor
@@ -491,7 +399,7 @@ class SDARDenoiser(nn.Module):
         batch = prompt_ids.shape[0]
         real = mask.long().sum(1)
         cached = real - real % self.block_size
-        positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+        positions = protocol_positions(mask)
         keep = mask & (positions < cached[:, None])
         layers = len(self.network.model.layers)
         cache = SDARBlockCache(
@@ -502,8 +410,7 @@ class SDARDenoiser(nn.Module):
         )
         if not bool(keep.any()):
             return cache
-        blocks = positions // self.block_size
-        allowed = keep[:, None, :] & (blocks[:, None, :] <= blocks[:, :, None])
+        allowed = _block_causal(keep, positions, self.block_size)
         call = _CallCache(cache)
         self._run(prompt_ids, positions, _with_self(allowed), call)
         cache.keys, cache.values = call.keys, call.values
@@ -525,7 +432,7 @@ class SDARDenoiser(nn.Module):
         block's keys/values (done once per block, with its final tokens)."""
         mask = torch.ones_like(block_ids, dtype=torch.bool) if key_mask is None else key_mask
         mask = mask.bool()
-        positions = cache.next_position[:, None] + (mask.long().cumsum(1) - 1).clamp_min(0)
+        positions = cache.next_position[:, None] + protocol_positions(mask)
         keys = torch.cat([cache.key_mask, mask], dim=1)
         width = block_ids.shape[1]
         allowed = keys[:, None, :].expand(-1, width, -1)
@@ -541,75 +448,3 @@ class SDARDenoiser(nn.Module):
             cache.key_mask = keys
             cache.next_position = cache.next_position + mask.long().sum(1)
         return logits
-
-    # ------------------------------------------------------------------ save / load
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write SDAR's own format: ``config.json`` (the SDAR config this model was built
-        from, ``torch_dtype`` updated) and ``model.safetensors`` (Qwen3 / SDAR key names,
-        metadata ``format: pt``; no ``lm_head.weight`` when the embeddings are tied)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        config = dict(self.config)
-        dtype = next(self.network.parameters()).dtype
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: v.detach().contiguous() for k, v in self.network.state_dict().items()}
-        if self._sizes["tie_word_embeddings"]:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | Path,
-        *,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
-        trust_remote_code: bool = False,
-    ) -> SDARDenoiser:
-        """Load an SDAR checkpoint directory (``config.json`` + safetensors weights) into
-        the stock Qwen3 network; in eval mode.
-
-        ``dtype``: cast the weights (a dtype or its name; None keeps the stored dtype);
-        ``device``: where they are
-        read to. ``trust_remote_code`` is accepted for a uniform adapter interface but never
-        runs anything: the stock network reproduces SDAR's own modeling code (checked against
-        it by the fixtures), so no remote code is needed. Every key must match (an untied
-        checkpoint must hold ``lm_head.weight``; a tied one may omit it).
-        """
-        del trust_remote_code  # never needed (see the docstring)
-        directory = _local_directory(directory)
-        config = _read_config(directory)
-        path = str(directory / CONFIG_FILE)
-        check_config(config, path)
-        files = _weight_files(directory)
-        model = cls(config, _meta=True)
-        target = "cpu" if device is None else str(torch.device(device))
-        state: dict[str, torch.Tensor] = {}
-        for file in files:
-            state.update(load_file(str(file), device=target))
-        dtype = _resolve_dtype(dtype)
-        if dtype is not None:
-            state = {k: v.to(dtype) for k, v in state.items()}
-        expected = set(model.network.state_dict())
-        tied = model._sizes["tie_word_embeddings"]
-        allowed_missing = {"lm_head.weight"} if tied else set()
-        missing = sorted(expected - set(state) - allowed_missing)
-        unexpected = sorted(set(state) - expected)
-        if missing or unexpected:
-            raise SDARCheckpointError(
-                f"{directory}: weights do not match the SDAR config: missing {missing[:8]}, "
-                f"unexpected {unexpected[:8]} (is it an SDAR checkpoint of this config?)"
-            )
-        if tied:
-            state.pop("lm_head.weight", None)
-        model.network.load_state_dict(state, strict=False, assign=True)
-        if tied:
-            model.network.lm_head.weight = model.network.model.embed_tokens.weight
-        rotary = type(model.network.model.rotary_emb)
-        model.network.model.rotary_emb = rotary(model.network.config).to(target)
-        model.eval()
-        leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        if leftover:
-            raise SDARCheckpointError(f"{directory}: tensors not loaded: {leftover[:8]}")
-        return model
