@@ -58,3 +58,21 @@ def test_the_sd35_example_validates(clip_dir):  # noqa: F811
     assert config.model.kind == "sd3" and config.model.height == 512 == 2 * 256
     assert config.model.lora.rank == 32
     assert config.sampler.sigma_schedule == "sd3"
+
+
+def test_the_sd35_ocr_example_validates(tmp_path):
+    prompts = tmp_path / "ocr_prompts.jsonl"
+    rows = [{"prompt": f'a shop sign that says "OPEN {k}"', "text": f"OPEN {k}"} for k in range(20)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(
+        EXAMPLES / "flow_grpo_sd35_ocr.yaml",
+        FlowGRPORecipeConfig,
+        ["device=cpu", f"task.path={prompts}"],
+    )
+    assert config.task.name == "prompts" and config.task.prompt_field == "prompt"
+    task = config.task.build()
+    assert (len(task.prompts("train")), len(task.prompts("eval"))) == (18, 2)
+    assert [r.name for r in config.rewards] == ["ocr"]
+    assert config.rewards[0].options["text_field"] == "text"
+    assert config.model.kind == "sd3" and config.model.height == 512 == config.model.width
+    assert config.model.lora.rank == 32 and config.model.dtype == "bfloat16"

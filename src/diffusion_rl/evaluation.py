@@ -2,8 +2,10 @@
 
 :func:`evaluate_task`: a token denoiser on a text task. :func:`evaluate_images`: a flow
 model on mini-GenEval, with the ODE sampler at fixed seeds. :func:`evaluate_videos`: an
-image-to-video model on mini-motion from rendered first frames. :func:`evaluate_workflow`: a
-multi-stage workflow's final videos on its task (and its first stage's images).
+image-to-video model on mini-motion from rendered first frames. :func:`evaluate_rewards`: a
+flow model on a prompt list without a verifier, scored by reward models.
+:func:`evaluate_workflow`: a multi-stage workflow's final videos on its task (and its first
+stage's images).
 """
 
 from __future__ import annotations
@@ -209,6 +211,82 @@ def evaluate_images(
 
 
 @dataclass(frozen=True)
+class RewardEvalResult:
+    """Reward scores of samples for the prompts of a task without a verifier (a prompt
+    list): ``reward_mean`` is the mean over the ``num_images`` samples of the weighted total
+    reward, ``rewards`` the mean of each reward term (unweighted, by name). Row ``i`` of
+    ``images`` (float ``[N, 3, H, W]``, or clips ``[N, F, 3, H, W]``, in ``[0, 1]``) was
+    sampled for ``prompts[i]`` from seed ``seeds[i]`` and scored ``scores[i]`` (its total)."""
+
+    reward_mean: float
+    rewards: dict[str, float]
+    num_images: int
+    prompts: list[str]
+    seeds: list[int]
+    scores: list[float]
+    images: torch.Tensor
+
+    def captions(self) -> list[str]:
+        """``"<prompt> <total reward>"`` per image (grid captions)."""
+        return [f"{p} {s:.3g}" for p, s in zip(self.prompts, self.scores)]
+
+    def to_dict(self, num_samples_shown: int = 8) -> dict:
+        samples = [
+            {"prompt": p, "seed": s, "reward": r}
+            for p, s, r in list(zip(self.prompts, self.seeds, self.scores))[:num_samples_shown]
+        ]
+        return {
+            "reward_mean": self.reward_mean,
+            "rewards": self.rewards,
+            "num_images": self.num_images,
+            "samples": samples,
+        }
+
+
+@torch.no_grad()
+def evaluate_rewards(
+    model: VelocityModel,
+    task,
+    sampler: FlowSamplerConfig,
+    reward_fn,
+    *,
+    samples_per_prompt: int = 4,
+    split: str = "eval",
+    seed: int = 0,
+    batch_size: int = 128,
+) -> RewardEvalResult:
+    """Sample every prompt of ``task``'s ``split`` ``samples_per_prompt`` times with the
+    serving ODE sampler, as :func:`evaluate_images` does (sample-major, image ``i`` from seed
+    ``seed + i``, the same at every evaluation), and score each sample with ``reward_fn`` (a
+    :class:`~diffusion_rl.rewards.CombinedReward`: ``reward_fn(images, examples)`` gives
+    ``total`` and ``parts``), ``batch_size`` rows at a time. For tasks without a verifier
+    (:class:`~diffusion_rl.tasks.datasets.PromptFileTask`); the task is asked for its
+    prompts only."""
+    examples, seeds = _prompt_samples(task, split, samples_per_prompt, seed)
+    sampler = sampler.model_copy(update={"mode": "ode", "share_group_noise": False})
+    chunks, totals, parts = [], [], {}
+    with eval_mode(model):
+        for rows in _batches(len(examples), batch_size):
+            prompts = [e.prompt for e in examples[rows]]
+            images = sample_flow(model, prompts, sampler, seeds=seeds[rows]).images.float().cpu()
+            scored = reward_fn(images, examples[rows])
+            chunks.append(images)
+            totals.append(scored.total)
+            for name, part in scored.parts.items():
+                parts.setdefault(name, []).append(part)
+    total = torch.cat(totals)
+    return RewardEvalResult(
+        reward_mean=float(total.mean()),
+        rewards={name: float(torch.cat(values).mean()) for name, values in parts.items()},
+        num_images=len(examples),
+        prompts=[e.prompt for e in examples],
+        seeds=seeds,
+        scores=total.tolist(),
+        images=torch.cat(chunks),
+    )
+
+
+@dataclass(frozen=True)
 class ClipEvalResult:
     """Clips verified on held-out prompts: ``accuracy`` (all attributes right),
     ``attributes`` (per attribute and ``overall``), ``reward_mean`` (mean fraction right),
@@ -336,12 +414,14 @@ def _clip_result(task, examples, seeds, clips, images, **extra) -> ClipEvalResul
 
 __all__ = [
     "EvalResult",
+    "RewardEvalResult",
     "eval_mode",
     "ImageEvalResult",
     "ClipEvalResult",
     "evaluate_videos",
     "evaluate_workflow",
     "evaluate_images",
+    "evaluate_rewards",
     "evaluate_task",
     "format_samples",
 ]

@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verifier accuracy of a saved model on its task",
         "Evaluate a saved model directory on the task it records, with the sampler it "
         "records (flags override it): a token model on --examples problems, an image model "
-        "on every prompt of the split, --samples images each.",
+        "on every prompt of the split, --samples images each (a model trained on a prompt "
+        "list: the mean of the rewards its run recorded).",
     )
     p.add_argument("--model", required=True, help="a token or image model directory")
     p.add_argument(
@@ -336,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     images.add_argument(
         "--samples",
         type=_integer(1, MAX_SAMPLES),
-        help=f"images per prompt, 1 .. {MAX_SAMPLES} (default: 16)",
+        help=f"images per prompt, 1 .. {MAX_SAMPLES} (default: 16; 1 for a prompt list)",
     )
     _add_image_sampler_flags(images)
     p.set_defaults(func=cmd_eval)

@@ -16,6 +16,9 @@ def _before_after(results: dict) -> str:
 
 
 def _held_out_before_after(results: dict) -> str:
+    if "accuracy_before" not in results:  # a task without a verifier (a prompt list)
+        before, after = results["reward_mean_before"], results["reward_mean_after"]
+        return f"held-out reward {before:.3f} -> {after:.3f}"
     return f"held-out {_before_after(results)}"
 
 

@@ -308,6 +308,8 @@ def cmd_eval_images(args, loaded) -> int:
 
     _check_kind_flags(args, "flow")
     task_info = loaded.info.get("task")
+    if task_info and task_info.get("name") == "prompts":
+        return _eval_prompt_list(args, loaded, task_info)
     if not task_info or task_info.get("name") != GenEvalTask.name:
         raise UsageError(f"--model: {args.model} records no mini-GenEval task to evaluate on")
     task = GenEvalTask.from_info(task_info)
@@ -333,6 +335,64 @@ def cmd_eval_images(args, loaded) -> int:
         f"({sampler.num_steps} ODE steps, guidance {sampler.guidance_scale:g})"
     )
     print("  " + "  ".join(f"{k} {v:.3f}" for k, v in result.attributes.items()))
+    if args.output:
+        record = {**result.to_dict(), "sampler": sampler.model_dump(mode="json")}
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+def _eval_prompt_list(args, loaded, task_info: dict) -> int:
+    """``eval`` for a flow model trained on a prompt list (no verifier): the rewards its run
+    recorded (weighted total and each term, means) on the ``--split`` prompts of its file,
+    ``--samples`` images each (default 1; seeds ``--seed``, ``--seed`` + 1, ...), sampled as
+    flow-grpo's evaluation samples them."""
+    from ..evaluation import evaluate_rewards
+    from ..recipes.flow_models import FrameMeanReward
+    from ..rewards import CombinedReward, get_reward
+    from ..tasks.datasets import PromptFileTask
+
+    recorded = loaded.info.get("rewards")
+    if not recorded:
+        raise UsageError(
+            f"--model: {args.model} was trained on a prompt list but records no rewards to "
+            "score it with"
+        )
+    try:
+        task = PromptFileTask.from_info(task_info)
+    except (ValueError, ImportError) as error:
+        raise UsageError(
+            f"--model: {args.model} records the prompt file {task_info.get('path')!r}, which "
+            f"cannot be read here: {' '.join(str(error).split())}"
+        ) from None
+    try:
+        terms = [(get_reward(r["name"], **r.get("options", {})), r["weight"]) for r in recorded]
+    except (TypeError, ValueError, ImportError) as error:
+        raise UsageError(
+            f"--model: the rewards {args.model} records cannot be built here: "
+            f"{' '.join(str(error).split())}"
+        ) from None
+    if _makes_clips(loaded.model):
+        terms = [(FrameMeanReward(fn), weight) for fn, weight in terms]
+    samples = args.samples or 1
+    _check_seeds(args, samples * len(task.prompts(args.split)))
+    sampler = _serving_sampler(args, loaded.info)
+    pipeline = hasattr(loaded.model, "output_shape")  # a diffusers pipeline: small batches
+    result = evaluate_rewards(
+        loaded.model,
+        task,
+        sampler,
+        CombinedReward(terms),
+        samples_per_prompt=samples,
+        split=args.split,
+        seed=args.seed,
+        batch_size=(sampler.micro_batch_size or 8) if pipeline else 128,
+    )
+    print(
+        f"reward {result.reward_mean:.3f} on {result.num_images} {args.split} images "
+        f"({sampler.num_steps} ODE steps, guidance {sampler.guidance_scale:g})"
+    )
+    print("  " + "  ".join(f"{k} {v:.3f}" for k, v in result.rewards.items()))
     if args.output:
         record = {**result.to_dict(), "sampler": sampler.model_dump(mode="json")}
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

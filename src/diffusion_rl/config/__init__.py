@@ -69,12 +69,14 @@ from .sections import (
     ModelSection,
     MotionTaskSection,
     PolicyModelSection,
+    PromptTaskSection,
     RewardSection,
     RunConfig,
     TaskSection,
     TeacherSection,
     VideoRewardSection,
     check_rewards_for_task,
+    prompt_task_reward_problems,
 )
 
 __all__ = [
@@ -108,6 +110,7 @@ __all__ = [
     "ModelSection",
     "MotionTaskSection",
     "PolicyModelSection",
+    "PromptTaskSection",
     "RewardSection",
     "RunConfig",
     "SFTRecipeConfig",
@@ -125,6 +128,7 @@ __all__ = [
     "load_config",
     "merge_dicts",
     "parse_overrides",
+    "prompt_task_reward_problems",
     "token_model_size",
     "with_section_defaults",
 ]

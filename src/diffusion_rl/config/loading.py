@@ -290,6 +290,15 @@ def _members(annotation: Any) -> list[Any]:
     return [annotation]
 
 
+def _tags(annotation: Any) -> tuple[Any, ...]:
+    """The values a section's ``name`` literal allows (its tag in a discriminated union)."""
+    model = _as_model(annotation)
+    field = model.model_fields.get("name") if model is not None else None
+    if field is None or typing.get_origin(field.annotation) is not typing.Literal:
+        return ()
+    return typing.get_args(field.annotation)
+
+
 def _walk(cls: type[BaseModel] | None, loc: Sequence[Any]) -> tuple[list[str], Any]:
     """The dotted key parts of an error location (pydantic's union-branch tags dropped) and
     the annotation found at its parent (None when unknown)."""
@@ -303,11 +312,16 @@ def _walk(cls: type[BaseModel] | None, loc: Sequence[Any]) -> tuple[list[str], A
         parent = annotation
         members = _members(annotation) if annotation is not None else []
         if len(members) > 1 and isinstance(part, str):
-            # a union: pydantic names the branch (``float``, ``literal['none']``); skip it
-            named = [m for m in members if getattr(m, "__name__", None) == part]
-            annotation = named[0] if named else None
-            index += 1
-            continue
+            # a union: pydantic names the branch (``float``, ``literal['none']``, or a
+            # discriminated union's tag: the ``name`` of a section); skip it. A key of one of
+            # the members (a problem a validator placed without the tag) is that member's.
+            named = [m for m in members if part in (getattr(m, "__name__", None), *_tags(m))]
+            keyed = [m for m in members if part in getattr(_as_model(m), "model_fields", {})]
+            if named or not keyed:
+                annotation = named[0] if named else None
+                index += 1
+                continue
+            annotation = keyed[0]
         if isinstance(part, int):
             shown.append(str(part))
             item = members[0] if members else None
@@ -347,6 +361,12 @@ def _problem_line(cls: type[BaseModel] | None, item: dict[str, Any]) -> tuple[st
                 f" (valid keys: {', '.join(valid)})" if valid else ""
             )
         return ".".join(shown), f"unknown key{hint}", ""
+    if kind == "union_tag_invalid":  # a section's ``name`` picks its kind: name that key
+        context = item.get("ctx") or {}
+        key = str(context.get("discriminator", "name")).strip("'")
+        expected = context.get("expected_tags", "?")
+        message = f"unknown value {context.get('tag')!r}; expected one of {expected}"
+        return ".".join([*shown, key]), message, ""
     if kind in _SECTION_TYPES:
         return ".".join(shown), f"expected a mapping of keys, got {_kind(value)}", ""
     if message.startswith(("Value error, ", "Assertion failed, ")):

@@ -42,6 +42,7 @@ from .sections import (
     ModelSection,
     MotionTaskSection,
     PolicyModelSection,
+    PromptTaskSection,
     RewardSection,
     RunConfig,
     TaskSection,
@@ -49,6 +50,7 @@ from .sections import (
     VideoRewardSection,
     _reward_problems,
     _token_task_problems,
+    prompt_task_reward_problems,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -346,10 +348,16 @@ class FlowGRPORecipeConfig(RunConfig):
     ``ema_decay``: keep an exponential moving average of the actor's weights (updated after
     every Flow-GRPO step, i.e. every μ optimizer steps; rollouts still use the live weights)
     and evaluate and save it.
+
+    ``task``: mini-GenEval (``name: geneval``, the default name), a prompt list from a local
+    file (``name: prompts``, ``path: FILE``: no verifier, so every reward must need none, and
+    the image size is the model's; docs/flow_models.md), or null: the task the model
+    directory records.
     """
 
     output_dir: str = "runs/flow_grpo"
-    task: ImageTaskSection | None = None  # null: the task recorded in the model directory
+    # null: the task recorded in the model directory
+    task: ImageTaskSection | PromptTaskSection | None = Field(default=None, discriminator="name")
     model: FlowPolicyModelSection = FlowPolicyModelSection()
     policy: FlowGRPOConfig = FlowGRPOConfig()
     rewards: list[ImageRewardSection] = [ImageRewardSection()]
@@ -370,6 +378,8 @@ class FlowGRPORecipeConfig(RunConfig):
     @classmethod
     def _recipe_defaults(cls, data: Any) -> Any:
         sections = {"sampler": FLOW_GRPO_SAMPLER_DEFAULTS, "optim": FLOW_GRPO_OPTIM_DEFAULTS}
+        if isinstance(data, dict) and isinstance(data.get("task"), dict):
+            data = {**data, "task": {"name": "geneval", **data["task"]}}  # name defaults
         return _schedule_defaults(cls, data, sections, always=False, warmup_cap=0)
 
     @model_validator(mode="after")
@@ -385,7 +395,18 @@ class FlowGRPORecipeConfig(RunConfig):
         if len(set(names)) != len(names):
             raise ValueError(f"rewards: each reward may appear once, got {names}")
         rows = self.prompts_per_step * self.group_size
-        _raise_problems(type(self).__name__, _rows_budget(rows, "prompts x group_size"))
+        problems = _rows_budget(rows, "prompts x group_size")
+        if isinstance(self.task, PromptTaskSection):
+            problems += [_problem(k, m) for k, m in prompt_task_reward_problems(self.rewards)]
+            if self.task.heldout_fraction == 0:
+                problems.append(
+                    _problem(
+                        ("task", "heldout_fraction"),
+                        "flow-grpo evaluates on held-out prompts of the file; set a "
+                        "heldout_fraction > 0 (e.g. 0.1)",
+                    )
+                )
+        _raise_problems(type(self).__name__, problems)
         return self
 
 

@@ -23,6 +23,7 @@ from pydantic_core import InitErrorDetails
 
 from ..models.lora import LoraSettings
 from ..tasks import TASKS, get_task
+from ..tasks.datasets import PromptFileConfig, PromptFileTask
 from ..tasks.geneval import GenEvalConfig, GenEvalTask
 from ..tasks.motion import MotionConfig, MotionTask
 from .limits import _limit_problems, check_device
@@ -340,6 +341,34 @@ class MotionTaskSection(MotionConfig):
         return MotionTask(MotionConfig(**self.model_dump(exclude={"name"})))
 
 
+class PromptTaskSection(PromptFileConfig):
+    """A prompt list from a local file for the image recipes (flow-grpo): ``name: prompts``
+    and the :class:`~diffusion_rl.tasks.datasets.PromptFileConfig` keys (``path`` required:
+    a ``.txt`` file, one prompt per line, or a ``.jsonl`` / ``.parquet`` / ``.csv`` table
+    whose ``prompt_field`` column holds the prompts; ``format``, ``heldout_fraction``,
+    ``seed``). Its other columns are the examples' attributes (``text``: the OCR reward's
+    target). The task has no verifier (reward models score it) and no image size (the
+    model's). Invariant: a validated section names a file that builds, so the recipe's
+    :meth:`build` reads no file the config did not (the rows are cached per file)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: Literal["prompts"]
+
+    @model_validator(mode="after")
+    def _readable(self) -> PromptTaskSection:
+        try:
+            self.build()
+        except ImportError as error:
+            raise ValueError(f"path: {self.path}: {error}") from None
+        except ValueError as error:  # "task.KEY: ..." from the task: the key it is about
+            raise ValueError(str(error).removeprefix("task.")) from None
+        return self
+
+    def build(self) -> PromptFileTask:
+        return PromptFileTask(PromptFileConfig(**self.model_dump(exclude={"name"})))
+
+
 # ---------------------------------------------------------------------------------------------
 # Rewards
 # ---------------------------------------------------------------------------------------------
@@ -467,6 +496,28 @@ def check_rewards_for_task(rewards: Sequence[Any], task_name: str) -> None:
 # (diffusion_rl.reward_models, docs/rewards.md); the CLIP ones need ``options: {path: DIR}``.
 IMAGE_REWARDS = ("geneval", "compressibility", "clip_score", "pickscore", "aesthetic", "ocr")
 VIDEO_REWARDS = ("motion",)
+# The image rewards that score with the task's own verifier (mini-GenEval's attribute
+# checks): a prompt list (task.name: prompts) has none, so they do not apply to it.
+VERIFIER_IMAGE_REWARDS = ("geneval",)
+
+
+def prompt_task_reward_problems(rewards: Sequence[Any]) -> list[tuple[tuple, str]]:
+    """``(key, message)`` for each reward term (a section or a name) that needs a task
+    verifier, which a prompts task (``task.name: prompts``) does not have."""
+    usable = ", ".join(r for r in IMAGE_REWARDS if r not in VERIFIER_IMAGE_REWARDS)
+    problems = []
+    for index, term in enumerate(rewards):
+        name = term if isinstance(term, str) else term.name
+        if name in VERIFIER_IMAGE_REWARDS:
+            problems.append(
+                (
+                    ("rewards", index, "name"),
+                    f"the {name} reward scores images with the mini-GenEval verifier, and a "
+                    f"prompts task (task.path) has no verifier; use rewards that need none: "
+                    f"{usable}",
+                )
+            )
+    return problems
 
 
 class ImageRewardSection(RewardSection):

@@ -28,6 +28,7 @@ from ..models.lora import add_lora, has_lora, merge_lora, save_lora_model
 from ..models.video_dit import VideoDiT, VideoDiTConfig
 from ..plots import save_image_grid, save_video_gif, save_video_strip
 from ..tasks import TokenizerMismatchError, get_task
+from ..tasks.datasets import PromptFileTask
 from ..tasks.geneval import GenEvalTask
 from ..tasks.motion import MotionTask
 from ..train.trainer import LossFn, Trainer
@@ -36,11 +37,15 @@ from ..train.trainer import LossFn, Trainer
 from .flow_models import (  # noqa: F401, E402 - re-exported for flow-sft and flow-grpo
     FlowActor,
     FrameMeanReward,
+    PromptSource,
     TaskView,
+    check_model_takes_prompts,
     evaluate_pipeline_model,
+    evaluate_prompt_model,
     flow_start,
     load_builtin,
     load_pipeline_actor,
+    verified,
 )
 
 
@@ -188,16 +193,23 @@ def evaluate_tokens(model, task, sampler, config, step: int):
 
 
 # ----------------------------------------------------------------------------- flow world
-def image_task(section, model_info: dict, field: str) -> GenEvalTask:
-    """The configured image task, or (``section`` None) the task the model directory records."""
+def image_task(section, model_info: dict, field: str) -> GenEvalTask | PromptFileTask:
+    """The configured image task, or (``section`` None) the task the model directory records
+    (mini-GenEval, or a prompt list whose file must still be there)."""
     if section is not None:
         return section.build()
     if "task" not in model_info:
         raise ConfigError(f"task: {field} does not record its task; set task.name and its options")
+    recorded = model_info["task"]
+    cls = PromptFileTask if recorded.get("name") == PromptFileTask.name else GenEvalTask
     try:
-        return GenEvalTask.from_info(model_info["task"])
+        return cls.from_info(recorded)
     except ValueError as error:
-        raise ConfigError(f"task: {field} records a task this recipe cannot run: {error}") from None
+        message = " ".join(str(error).split())
+        raise ConfigError(
+            f"task: {field} records a task this recipe cannot run: {message}; set task to "
+            "its settings"
+        ) from None
 
 
 def new_flow_model(section: FlowModelSection, task: GenEvalTask | MotionTask) -> FlowDiT:
@@ -267,12 +279,14 @@ def evaluate_video_model(model, task, sampler, config, step: int, grid: Path):
     return record, metrics, result
 
 
-def before_after(history: list[dict[str, Any]], *keys: str) -> dict[str, Any]:
-    """``KEY_before`` / ``KEY_after`` from the first and last evaluation records, for
-    ``accuracy``, ``attributes`` and ``keys``, in that order."""
+def before_after(
+    history: list[dict[str, Any]], *keys: str, base: tuple[str, ...] = ("accuracy", "attributes")
+) -> dict[str, Any]:
+    """``KEY_before`` / ``KEY_after`` from the first and last evaluation records, for the
+    ``base`` keys (a verified task's accuracy and attributes) and ``keys``, in that order."""
     before, after = history[0], history[-1]
     out: dict[str, Any] = {}
-    for key in ("accuracy", "attributes", *keys):
+    for key in (*base, *keys):
         out[f"{key}_before"], out[f"{key}_after"] = before[key], after[key]
     return out
 

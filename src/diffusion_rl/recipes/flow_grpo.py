@@ -1,4 +1,4 @@
-"""Recipe: Flow-GRPO of a flow model on mini-GenEval.
+"""Recipe: Flow-GRPO of a flow model on mini-GenEval or on a prompt list from a local file.
 
 Each step the *rollout weights* (version v, stamped into the trace) sample ``group_size``
 images per train prompt with the serving sampler in ``mode="sde"`` and capture on
@@ -20,17 +20,29 @@ directory (SD3, FLUX, Wan text-to-video; docs/flow_models.md), trained in full o
 (no second copy). A pipeline makes images at the task's size (checked); a Wan clip is scored
 frame by frame (:class:`~diffusion_rl.recipes.flow_models.FrameMeanReward`). The final model
 of a pipeline run is a pipeline model directory (the base path and the trained weights).
+
+A prompt list (``task: {name: prompts, path: FILE}``,
+:class:`~diffusion_rl.tasks.datasets.PromptFileTask`) trains on the file's ``"train"``
+prompts and evaluates on its held-out ones. It has no verifier: the rewards are reward models
+or others that need none (checked at config load and again for a task recorded in the model
+directory); rollouts report the rewards only; evaluation reports the configured rewards'
+weighted mean (``eval/reward_mean``) and each term's (``eval/<name>``, e.g. ``eval/ocr``) on
+the held-out prompts at fixed seeds, and ``results.json`` has ``reward_mean_before`` /
+``_after`` and ``rewards_before`` / ``_after``. The images are the model's size
+(docs/flow_models.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from ..config import ConfigError, FlowGRPORecipeConfig
+from ..config import ConfigError, FlowGRPORecipeConfig, prompt_task_reward_problems
 from ..objectives.flow_grpo import FlowGRPOLoss
 from ..rewards import CombinedReward, get_reward
 from ..rollout import FlowSource
@@ -40,16 +52,20 @@ from ..train.roles import PolicyRoles
 from .common import (
     FlowActor,
     FrameMeanReward,
+    PromptSource,
     before_after,
     check_model_fits_task,
+    check_model_takes_prompts,
     eval_record,
     evaluate_image_model,
     evaluate_pipeline_model,
+    evaluate_prompt_model,
     flow_start,
     image_task,
     load_builtin,
     load_pipeline_actor,
     trainer_factory,
+    verified,
     weights_digest,
     with_lora,
 )
@@ -59,6 +75,13 @@ from .run import OnPolicyRecipe, run
 class FlowGRPORecipe(OnPolicyRecipe):
     name = "flow-grpo"
     curves = ("rollout/reward_mean", "eval/accuracy", "flow_grpo/kl", "flow_grpo/clip_frac")
+    # a prompt list has no verifier: its held-out curve is the configured rewards' mean
+    prompt_curves = (
+        "rollout/reward_mean",
+        "eval/reward_mean",
+        "flow_grpo/kl",
+        "flow_grpo/clip_frac",
+    )
 
     def __init__(self, config: FlowGRPORecipeConfig) -> None:
         self.config = config
@@ -71,15 +94,25 @@ class FlowGRPORecipe(OnPolicyRecipe):
                     "whole pipeline); set ema_decay: null"
                 )
             self.task = task = image_task(config.task, start.info, config.model.path)
+            self.verified = verified(task)
+            _check_rewards(config, task)
             model, options, scale = load_pipeline_actor(config.model, start, task, seed=config.seed)
             self.actor = FlowActor(model, start.kind, start, config.model.dtype, options, scale)
         else:
             loaded = load_builtin(config.model)
             self.task = task = image_task(config.task, loaded.info, config.model.path)
-            check_model_fits_task(loaded.model, task, "model.path")
+            self.verified = verified(task)
+            _check_rewards(config, task)
+            if self.verified:
+                check_model_fits_task(loaded.model, task, "model.path")
+            else:
+                check_model_takes_prompts(loaded.model, task, "model.path")
             model = with_lora(loaded.model, config.model, "model", config.seed)
             self.actor = FlowActor(model, "builtin", start)
         self.title = f"Flow-GRPO on {task.name}"
+        if not self.verified:
+            self.curves = self.prompt_curves
+            self.title = f"Flow-GRPO on the prompts of {Path(task.config.path).name}"
         self.actor.check_activation_checkpointing(config.activation_checkpointing)
         self.model = model = self.actor.model.to(config.device)
         # with a LoRA the reference is the actor with its LoRA off (no copy; PolicyRoles)
@@ -103,7 +136,10 @@ class FlowGRPORecipe(OnPolicyRecipe):
         if self.actor.video:  # clips: each image reward is the mean over the frames
             rewards = [(FrameMeanReward(fn), weight) for fn, weight in rewards]
         self.reward_fn = CombinedReward(rewards)
-        self.source = FlowSource(self.actor.judged(task), sampler, config.group_size)
+        if not self.verified:
+            _check_targets(self.reward_fn, task)
+        source = FlowSource if self.verified else PromptSource
+        self.source = source(self.actor.judged(task), sampler, config.group_size)
         # the starting weights: a full pipeline transformer is identified by its directory
         # (actor metadata), not hashed on every start
         full_pipeline = self.actor.pipeline and model.lora is None
@@ -112,6 +148,7 @@ class FlowGRPORecipe(OnPolicyRecipe):
             "sampler": sampler.model_dump(mode="json"),
             "model": self.actor.metadata(),
             "task": task.info(),
+            **({} if self.verified else {"prompts": _prompts_digest(task)}),
             "reference": {
                 "path": config.model.path,
                 "weights": None if full_pipeline else weights_digest(model),
@@ -126,8 +163,12 @@ class FlowGRPORecipe(OnPolicyRecipe):
 
     def describe(self) -> str:
         cfg = self.config
+        task = repr(self.task)
+        if not self.verified:
+            sizes = [len(self.task.prompts(split)) for split in ("train", "eval")]
+            task = f"the prompts of {self.task.config.path} ({sizes[0]} train, {sizes[1]} held out)"
         return (
-            f"flow-grpo on {self.task!r}: {self.actor.describe()}, "
+            f"flow-grpo on {task}: {self.actor.describe()}, "
             f"{cfg.prompts_per_step}×{cfg.group_size} rollouts per step, rewards {self.reward_fn!r}"
         )
 
@@ -145,6 +186,18 @@ class FlowGRPORecipe(OnPolicyRecipe):
         name = f"step_{step:06d}" if tag == "step" else tag
         grid = self.out / "samples" / f"{name}.png"
         cfg = self.config
+        if not self.verified:
+            record, metrics, self.final = evaluate_prompt_model(
+                self.served,
+                self.task,
+                self.reward_fn,
+                cfg.sampler,
+                cfg,
+                grid,
+                pipeline=self.actor.pipeline,
+                video=self.actor.video,
+            )
+            return {"step": step, **record}, metrics
         if self.actor.pipeline:
             self.final, written = evaluate_pipeline_model(
                 self.served,
@@ -182,15 +235,63 @@ class FlowGRPORecipe(OnPolicyRecipe):
             "trained_steps": self.steps_done(),
             "ema_decay": self.config.ema_decay,
         }
+        if not self.verified:  # the file wherever the directory is read from; the rewards
+            # `diffusion-rl eval` scores the model with
+            info["task"]["path"] = str(Path(self.task.config.path).resolve())
+            info["rewards"] = [r.model_dump(mode="json") for r in self.config.rewards]
         self.actor.save(directory, self.served, info)
 
     def results(self, history) -> dict[str, Any]:
+        if self.verified:
+            compared = before_after(history)
+        else:
+            compared = before_after(history, "rewards", base=("reward_mean",))
         return {
-            **before_after(history),
+            **compared,
             "eval": self.final.to_dict(),
             "weights_version": self.roles.version,
             "grids": sorted(str(p) for p in (self.out / "samples").glob("*.png")),
         }
+
+
+def _prompts_digest(task) -> str:
+    """A short hash of a prompt list's splits (prompts and their columns, in order): a
+    checkpoint resumes only on the same prompts, even when the file changed in place."""
+    rows = {
+        split: [(e.prompt, dict(e.fields)) for e in task.prompts(split)]
+        for split in ("train", "eval")
+    }
+    text = json.dumps(rows, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_rewards(config: FlowGRPORecipeConfig, task) -> None:
+    """A task without a verifier (a prompt list, perhaps recorded in the model directory)
+    takes only rewards that need none: a :class:`ConfigError` per reward that does."""
+    problems = [] if verified(task) else prompt_task_reward_problems(config.rewards)
+    if problems:
+        lines = [f"{'.'.join(map(str, key))}: {message}" for key, message in problems]
+        raise ConfigError("\n".join(lines))
+
+
+def _check_targets(reward_fn: CombinedReward, task) -> None:
+    """Every prompt of a prompt list has what each reward needs of it before anything is
+    sampled: a reward with a ``target(example, index)`` method (the OCR reward's text to
+    read) is asked for each prompt's; its ``ValueError`` becomes a :class:`ConfigError`
+    naming the reward, the row and ``task.path``."""
+    examples = sorted(task.prompts("train") + task.prompts("eval"), key=lambda e: e.row)
+    for index, (fn, _) in enumerate(reward_fn.terms):
+        target = getattr(getattr(fn, "reward", fn), "target", None)  # FrameMean wraps one
+        if not callable(target):
+            continue
+        for example in examples:
+            try:
+                target(example, example.row)
+            except ValueError as error:
+                message = str(error).replace(f"example {example.row}", f"row {example.row}")
+                raise ConfigError(
+                    f"rewards.{index}: task.path {task.config.path}: {message}"
+                ) from None
 
 
 def run_flow_grpo(

@@ -18,6 +18,15 @@ A text-to-video pipeline (``wan``) on the image task (mini-GenEval prompts) is j
 by frame: each image reward of a clip is the mean over its frames (:class:`FrameMeanReward`),
 and the verifier finds an attribute right when it is right in every frame
 (:class:`TaskView`).
+
+A prompt list from a local file (``task.name: prompts``,
+:class:`~diffusion_rl.tasks.datasets.PromptFileTask`) has no verifier and no image size: the
+images are the model's size (a built-in model's own; a pipeline's ``model.height`` /
+``width``, else the size a pipeline model directory records, else the pipeline's default,
+e.g. 1024 for SD3.5-Medium), every prompt must be one the model can encode
+(:func:`check_model_takes_prompts`), rollouts report no accuracy (:class:`PromptSource`) and
+evaluation scores held-out samples with the configured rewards
+(:func:`evaluate_prompt_model`).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..config.sections import flow_option_problems
-from ..evaluation import evaluate_images
+from ..evaluation import evaluate_images, evaluate_rewards
 from ..models.flow_pipelines import (
     PipelineModel,
     flow_directory_kind,
@@ -48,6 +57,8 @@ from ..models.io import (
 )
 from ..models.lora import has_lora, lora_settings, save_lora_model
 from ..plots import save_image_grid, save_video_gif, save_video_strip
+from ..rollout import FlowSource
+from ..tasks.datasets import PromptFileTask
 from ..tasks.geneval import GenEvalTask, attribute_accuracy
 from ..tasks.motion import MotionTask
 
@@ -55,14 +66,23 @@ __all__ = [
     "FlowActor",
     "FlowStart",
     "FrameMeanReward",
+    "PromptSource",
     "TaskView",
+    "check_model_takes_prompts",
     "evaluate_pipeline_model",
+    "evaluate_prompt_model",
     "flow_start",
     "load_builtin",
     "load_pipeline_actor",
+    "verified",
 ]
 
 VIDEO_KINDS = ("wan", "wan_i2v")
+
+
+def verified(task) -> bool:
+    """Whether ``task`` has a verifier (mini-GenEval, mini-motion); a prompt list has none."""
+    return not isinstance(task, PromptFileTask)
 
 
 @dataclass(frozen=True)
@@ -134,9 +154,16 @@ def _prefixed(error: Exception, name: str) -> str:
 
 def pipeline_options(section, start: FlowStart, task, field_name: str = "model") -> dict:
     """The adapter options: those ``start`` was trained with, then the section's, with the
-    resolution (and a mini-motion task's frame count) defaulting to the task's."""
+    resolution (and a mini-motion task's frame count) defaulting to the task's; a prompt
+    list has no size (the pipeline's own default then applies)."""
     kind = start.kind
     video_task = isinstance(task, MotionTask)
+    if not verified(task) and kind == "wan_i2v":
+        raise ConfigError(
+            f"{field_name}.kind: a wan_i2v pipeline is conditioned on a first frame, which a "
+            "prompts task (task.path) does not give; use a text-to-image or text-to-video "
+            "pipeline (sd3, flux, wan)"
+        )
     if video_task and kind != "wan_i2v":
         raise ConfigError(
             f"{field_name}.kind: the mini-motion task trains an image-to-video model (each "
@@ -148,8 +175,9 @@ def pipeline_options(section, start: FlowStart, task, field_name: str = "model")
             f"{field_name}.kind: a wan_i2v pipeline is conditioned on a first frame; train it "
             "on task.name: mini-motion (flow-sft), or as a stage of a workflow (workflow-rl)"
         )
-    size = task.config.image_size
-    options = {"height": size, "width": size, **start.options}
+    size = task.config.image_size if verified(task) else None
+    options = {} if size is None else {"height": size, "width": size}
+    options.update(start.options)
     if video_task:
         options["num_frames"] = task.config.num_frames
     given = {
@@ -168,7 +196,10 @@ def verify_scale(options: dict, task, field_name: str = "model") -> int:
     """How many times the task's image size the pipeline's images are (``options``' height
     and width): 1 for the mini-motion task, whose clips must have its exact shape; for the
     image task any integer k with ``height == width == k · task.image_size`` (the verifier
-    sees a k × k area downsample, the rewards the full images). Else a :class:`ConfigError`."""
+    sees a k × k area downsample, the rewards the full images); 1 for a prompt list (no
+    verifier: any size the pipeline makes). Else a :class:`ConfigError`."""
+    if not verified(task):
+        return 1
     size, height, width = task.config.image_size, options["height"], options["width"]
     if isinstance(task, MotionTask):
         frames = options.get("num_frames")
@@ -213,6 +244,11 @@ def load_pipeline_actor(section, start: FlowStart, task, *, seed: int, field_nam
         raise ConfigError(_prefixed(error, f"{field_name}.path")) from None
     except FileNotFoundError as error:
         raise ConfigError(_prefixed(error, f"{field_name}.path")) from None
+    if not verified(task):  # record the size the pipeline chose (its default, or as given)
+        shape = model.output_shape
+        options = {"height": shape[-2], "width": shape[-1], **options}
+        if len(shape) == 4:
+            options.setdefault("num_frames", shape[0])
     if section.lora is not None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -258,8 +294,9 @@ class FlowActor:
 
     def judged(self, task):
         """The task as this actor's outputs meet it: a :class:`TaskView` for a pipeline
-        (frames, k× images), the task itself for a built-in model."""
-        return TaskView(task, self.scale) if self.pipeline else task
+        (frames, k× images), the task itself for a built-in model or a task without a
+        verifier."""
+        return TaskView(task, self.scale) if self.pipeline and verified(task) else task
 
     @property
     def pipeline(self) -> bool:
@@ -431,3 +468,72 @@ def evaluate_pipeline_model(model, task: TaskView, sampler, config, grid: Path, 
         save_image_grid(images, grid, nrow=8, captions=captions, upscale=upscale)
     grid, root = Path(grid), Path(config.output_dir)
     return result, str(grid.relative_to(root) if grid.is_relative_to(root) else grid)
+
+
+# ----------------------------------------------------------------------------- prompt lists
+def check_model_takes_prompts(model, task: PromptFileTask, field: str = "model.path") -> None:
+    """Every prompt of a prompt list (both splits) is one the built-in ``model`` encodes:
+    its words (lower-cased, split on whitespace) are in the model's vocabulary and there are
+    at most ``max_prompt_tokens`` of them; else a :class:`ConfigError` naming ``field``,
+    ``task.path`` and the first offending row. (A pipeline's text encoders take any text.)"""
+    vocabulary = set(model.config.vocabulary)
+    limit = model.config.max_prompt_tokens
+    for example in sorted(task.prompts("train") + task.prompts("eval"), key=lambda e: e.row):
+        words = example.prompt.lower().split()
+        unknown = sorted(set(words) - vocabulary)
+        if unknown:
+            raise ConfigError(
+                f"{field}: the built-in {type(model).__name__} knows only the words of its "
+                f"vocabulary, and row {example.row} of task.path {task.config.path} has "
+                f"{unknown} outside it; use a pipeline model (kind sd3, flux, wan) for free "
+                f"text, or prompts in its vocabulary {list(model.config.vocabulary)}"
+            )
+        if len(words) > limit:
+            raise ConfigError(
+                f"{field}: row {example.row} of task.path {task.config.path} has "
+                f"{len(words)} words, more than the model's max_prompt_tokens={limit}"
+            )
+
+
+class PromptSource(FlowSource):
+    """:class:`~diffusion_rl.rollout.FlowSource` for a task without a verifier: rollouts
+    report no accuracy (the configured rewards, ``rollout/reward_mean`` and each term, are
+    the whole picture); the task is asked for its examples only."""
+
+    def stats(self, rollout) -> dict[str, float]:
+        return {}
+
+
+def evaluate_prompt_model(model, task, reward_fn, sampler, config, grid: Path, *, pipeline, video):
+    """Held-out evaluation on a prompt list (:func:`~diffusion_rl.evaluation.evaluate_rewards`:
+    the ODE sampler at fixed seeds, each sample scored by ``reward_fn``, the run's configured
+    rewards), ``sampler.micro_batch_size`` (or 8) rows at a time for a pipeline, 128 for a
+    built-in model; a captioned grid of the first ``config.grid_images`` samples (clips: frame
+    strips and a GIF). Returns ``(record, metrics, result)``: the record holds
+    ``reward_mean`` (the weighted total's mean), ``rewards`` (each term's mean, by name) and,
+    when a grid is written, ``grid`` (relative to ``config.output_dir``; the caller adds
+    ``step``); the metrics are ``eval/reward_mean`` and ``eval/<reward name>``."""
+    result = evaluate_rewards(
+        model,
+        task,
+        sampler,
+        reward_fn,
+        samples_per_prompt=config.eval_samples_per_prompt,
+        seed=config.seed,
+        batch_size=(sampler.micro_batch_size or 8) if pipeline else 128,
+    )
+    record = {"reward_mean": result.reward_mean, "rewards": dict(result.rewards)}
+    metrics = {"eval/reward_mean": result.reward_mean}
+    metrics.update({f"eval/{name}": value for name, value in result.rewards.items()})
+    count = min(config.grid_images, result.num_images)
+    if count:
+        images, captions = result.images[:count], result.captions()[:count]
+        upscale = max(1, 96 // int(images.shape[-1]))  # 6x for 16 pixels, none from 96 up
+        if video:
+            save_video_strip(images, grid, captions=captions, upscale=upscale)
+            save_video_gif(images, Path(grid).with_suffix(".gif"), upscale=upscale)
+        else:
+            save_image_grid(images, grid, nrow=8, captions=captions, upscale=upscale)
+        grid, root = Path(grid), Path(config.output_dir)
+        record["grid"] = str(grid.relative_to(root) if grid.is_relative_to(root) else grid)
+    return record, metrics, result

@@ -147,7 +147,8 @@ class Recipe:
 
     def evaluate(self, tag: str) -> tuple[dict[str, Any], dict[str, float]]:  # override
         """Evaluate now; ``tag`` is ``"before"``, ``"step"`` or ``"after"``. Returns the
-        history record (with at least ``step`` and ``accuracy``; an optional ``grid``, a PNG
+        history record (with at least ``step`` and ``accuracy``, or, for a task without a
+        verifier, ``reward_mean``, the held-out reward; an optional ``grid``, a PNG
         path relative to ``output_dir``, is logged as the image ``eval/samples``) and the
         metrics to log."""
         raise NotImplementedError
@@ -497,10 +498,10 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
                     _check_step(config, trainer, skips, step, checkpoint)
                     postfix = recipe.postfix(metrics)
                     if step % config.eval_every == 0 and step < config.steps:
-                        accuracy = evaluate("step")["accuracy"]
-                        postfix["acc"] = f"{accuracy:.3f}"
+                        what, value = _headline(evaluate("step"))
+                        postfix["acc" if what == "accuracy" else "eval"] = f"{value:.3f}"
                         if bar.disable:
-                            echo(f"step {step}/{config.steps}: held-out accuracy {accuracy:.3f}")
+                            echo(f"step {step}/{config.steps}: held-out {what} {value:.3f}")
                     bar.set_postfix(postfix)
                     if step % config.checkpoint_every == 0:
                         save()
@@ -550,6 +551,14 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
             f"(skipped_nonfinite, skipped_zero_weight in {out / RESULTS_FILE})"
         )
     return results
+
+
+def _headline(record: dict[str, Any]) -> tuple[str, float]:
+    """What an evaluation record is summed up by: ``("accuracy", value)``, or for a task
+    without a verifier ``("reward", its reward_mean)``."""
+    if "accuracy" in record:
+        return "accuracy", record["accuracy"]
+    return "reward", record["reward_mean"]
 
 
 def _check_step(

@@ -23,7 +23,7 @@ Invariants that make rollouts replayable and rows independent:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -139,6 +139,7 @@ def sample_tokens(
     stop_token_id: int | None = None,
     capture: bool = False,
     weights_version: int = 0,
+    on_block: Callable[[int, torch.Tensor], None] | None = None,
 ) -> TokenSample:
     """Decode ``generation_length`` tokens after each prompt.
 
@@ -151,6 +152,10 @@ def sample_tokens(
     model is ``"canvas"``); with ``r_b > 0`` block 0 is short (``block_size - r_b`` slots,
     denoised together with the row's last ``r_b`` prompt tokens). Schedules count per row:
     the fixed one finishes a block of ``n_b`` slots in ``min(steps_per_block, n_b)`` steps.
+
+    ``on_block(block, tokens)`` (optional; streaming) is called after each block is decoded
+    with the tokens so far, ``[B, L]`` as the result reads them (uncommitted slots: the stop
+    token, or MASK); it only observes, the result is the same with or without it.
     """
     device = prompt_ids.device
     batch, prompt_len = prompt_ids.shape
@@ -233,8 +238,12 @@ def sample_tokens(
             model.forward_block(columns[:, lo:hi], cache, extend=True, **key_mask)
         if stop is not None:
             done |= ((columns[:, lo:hi] == stop) & (commit_steps[:, lo:hi] >= 0)).any(1)
-            if bool(done.all()):
-                break
+        if on_block is not None:
+            so_far, committed = layout.to_slots(columns), layout.to_slots(commit_steps) >= 0
+            fill = stop if stop is not None else mask_id
+            on_block(block, torch.where(committed, so_far, torch.full_like(so_far, fill)))
+        if stop is not None and bool(done.all()):
+            break
 
     completion = layout.to_slots(columns)
     commit_steps, logprobs = layout.to_slots(commit_steps), layout.to_slots(logprobs)
