@@ -297,7 +297,7 @@ def test_every_flag_of_every_command_has_help():
     parser = cli.build_parser()
     assert set(_subparsers(parser)) == {
         "quickstart", "sft", "grpo", "distill", "flow-sft", "flow-grpo", "workflow-rl",
-        "generate", "eval", "export",
+        "generate", "eval", "export", "serve",
     }  # fmt: skip
     assert undocumented(parser) == []
     # the walk finds what is missing: a flag, a subcommand without help

@@ -38,6 +38,7 @@ from .flags import (
     _text,
 )
 from .recipes import cmd_quickstart, cmd_recipe
+from .serve import cmd_serve
 from .serving import cmd_eval, cmd_generate
 
 PROG = "diffusion-rl"
@@ -360,4 +361,102 @@ def build_parser() -> argparse.ArgumentParser:
         help="merge the adapter into the base weights and write a plain model directory",
     )
     p.set_defaults(func=cmd_export)
+
+    p = command(
+        "serve",
+        "an OpenAI-compatible HTTP server on model directories and workflows",
+        "Serve model directories (token models: /v1/completions and /v1/chat/completions, "
+        "streaming as blocks commit; image models: /v1/images/generations; video models and "
+        "workflows: /v1/videos jobs) and the capture-on rollout route /rollout/generate, with "
+        "request batching, versioned hot weight updates (POST /update_weights), GET /health "
+        "and GET /metrics. Binds to loopback unless --allow-remote. See docs/serving.md.",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        type=_text("a model directory"),
+        metavar="[NAME=]DIR",
+        help="a model directory to serve, named by its base name or NAME; repeatable",
+    )
+    p.add_argument(
+        "--workflow",
+        action="append",
+        type=_text("a workflow"),
+        metavar="[NAME=]NAME|FILE",
+        help="a workflow YAML file or built-in workflow name to serve; repeatable",
+    )
+    p.add_argument(
+        "--host", type=_text("a host"), help="address to bind (default 127.0.0.1, loopback)"
+    )
+    p.add_argument("--port", type=_integer(0, 65535), help="TCP port (default 8000; 0: any free)")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a --host that is not loopback (reachable from other machines; warns)",
+    )
+    p.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        type=_text("an environment variable name"),
+        help="require 'Authorization: Bearer KEY' with KEY read from the environment "
+        "variable VAR (at least 8 characters)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=_integer(1, 1_000_000),
+        help="requests that may wait; one more gets 503 with Retry-After (default 256)",
+    )
+    p.add_argument(
+        "--max-batch-rows",
+        type=_integer(1, 65_536),
+        help="rows merged into one batch at most (default 32)",
+    )
+    p.add_argument(
+        "--max-wait-ms",
+        type=_real(0.0, 60_000.0),
+        help="how long the oldest request waits for compatible ones to merge (default 5)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_real(0.001, 86_400.0),
+        help="seconds a request may take before it gets 504 (default 600)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_integer(1024, 1 << 40),
+        help="largest request body, bytes (default 4194304; /update_weights: 64 GiB)",
+    )
+    p.add_argument(
+        "--update-weights-dir",
+        action="append",
+        type=_text("a directory"),
+        metavar="DIR",
+        help="allow POST /update_weights from model directories below DIR; repeatable "
+        "(default: off)",
+    )
+    p.add_argument(
+        "--allow-tensor-updates",
+        action="store_true",
+        help="allow POST /update_weights with a safetensors body of tensors (a trainer on "
+        "this machine)",
+    )
+    p.add_argument(
+        "--device", type=_text("a device"), help="where to load the models, e.g. cuda (default cpu)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        help="weights dtype (default: a Hugging Face checkpoint's stored one, else fp32)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="admit a Hugging Face tokenizer whose class is the directory's own code",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default info)",
+    )
+    p.set_defaults(func=cmd_serve)
     return parser

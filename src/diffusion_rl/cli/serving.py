@@ -228,9 +228,7 @@ def cmd_generate_images(args, loaded) -> int:
 
 def cmd_generate_tokens(args, loaded) -> int:
     """``generate`` for a loaded token model: the completion of every ``--prompt``."""
-    import torch
-
-    from ..sampling import sample_tokens
+    from ..serving.generation import left_pad, sample_completions
 
     _check_kind_flags(args, "token")
     _check_output(args, TEXT_FORMATS, "a token model's completions are written as")
@@ -255,17 +253,10 @@ def cmd_generate_tokens(args, loaded) -> int:
             f"exceeds the model's max_seq_len={limit}; use --length <= {limit - width} or a "
             "shorter prompt"
         )
-    ids = torch.tensor([[tok.pad_id] * (width - len(e)) + e for e in encoded])
-    mask = torch.tensor([[False] * (width - len(e)) + [True] * len(e) for e in encoded])
+    ids, mask = left_pad(encoded, tok.pad_id)
     seeds = [args.seed + i for i in range(len(encoded))]
-    sample = sample_tokens(
-        loaded.model,
-        ids,
-        mask,
-        sampler,
-        seeds=seeds,
-        stop_token_id=tok.eos_id,
-        capture=args.trace is not None,
+    sample = sample_completions(
+        loaded.model, tok, ids, mask, sampler, seeds, capture=args.trace is not None
     )
     completions = tok.batch_decode(sample.tokens)
     for prompt, text in zip(args.prompt, completions):
