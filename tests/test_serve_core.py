@@ -245,6 +245,29 @@ def test_updates_refuse_bad_tensors_without_changing_anything():
     assert conflict.status == 409 and conflict.param == "version"
 
 
+def test_an_update_of_one_name_of_tied_weights_rehashes_every_name_sharing_it():
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(4, 3)
+            self.head = torch.nn.Linear(3, 4, bias=False)
+            self.head.weight = self.emb.weight  # one storage, two state-dict names
+
+    torch.manual_seed(0)
+    model = Tied()
+    served = ServedModel("t", "flow", model, None, {}, 0, weights_checksum(model.state_dict()))
+
+    async def main():
+        engine = Engine([served], ServeSettings())
+        updated = await engine.update_weights("t", state_dict={"emb.weight": torch.ones(4, 3)})
+        await engine.stop()
+        return updated
+
+    updated = asyncio.run(main())
+    assert torch.equal(model.head.weight, torch.ones(4, 3))
+    assert updated.checksum == weights_checksum(model.state_dict()) != served.checksum
+
+
 def test_the_checksum_is_sha256_of_names_dtypes_shapes_and_bytes(tmp_path):
     state = {"b": torch.tensor([1.0, 2.0]), "a": torch.arange(6, dtype=torch.int64).view(2, 3)}
     total = hashlib.sha256()

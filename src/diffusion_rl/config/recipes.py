@@ -44,6 +44,7 @@ from .sections import (
     PolicyModelSection,
     PromptTaskSection,
     RewardSection,
+    RolloutSection,
     RunConfig,
     TaskSection,
     TeacherSection,
@@ -181,6 +182,7 @@ class GRPORecipeConfig(RunConfig):
     micro_batch_size: int | None = Field(default=None, gt=0)
     post_stop_weight: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     max_sampling_rounds: int = Field(default=4, gt=0)
+    rollout: RolloutSection = RolloutSection()
     allow_off_policy: bool = False
     sequence_packing: bool = False
     offload_device: str | None = None
@@ -366,6 +368,7 @@ class FlowGRPORecipeConfig(RunConfig):
     prompts_per_step: int = Field(default=4, gt=0)
     group_size: int = Field(default=16, gt=1)
     ema_decay: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False)
+    rollout: RolloutSection = RolloutSection()
     allow_off_policy: bool = False
     offload_device: str | None = None
     activation_checkpointing: bool = False  # pipeline models (docs/flow_models.md)

@@ -85,6 +85,52 @@ class RunConfig(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------
+# Rollout engine
+# ---------------------------------------------------------------------------------------------
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class RolloutSection(BaseModel):
+    """Where rollouts are sampled: in this process, or by a `diffusion-rl serve` server.
+
+    ``engine: in_process`` (the default) samples with the rollout weights in this process;
+    ``engine: server`` pushes them to the server at ``url`` every step and samples through
+    its ``/rollout/generate`` (:mod:`diffusion_rl.rollout_remote`; docs/serving.md): the
+    same traces, replayed exactly. ``model``: the served model's name (null: the server's
+    only model); ``api_key_env``: the environment variable holding the server's API key
+    (the key itself never goes in a config); ``timeout_s`` per request and ``max_retries``
+    of a failed one. ``url`` and the rest are used with ``engine: server`` only.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    engine: Literal["in_process", "server"] = "in_process"
+    url: str | None = None  # http(s)://HOST:PORT of the server (engine: server)
+    model: str | None = None  # the served model's name; null: the server's only model
+    api_key_env: str | None = None  # environment variable holding the API key; null: none
+    timeout_s: float = Field(default=600.0, gt=0.0, le=86_400.0, allow_inf_nan=False)
+    max_retries: int = Field(default=3, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutSection:
+        if self.engine == "server" and self.url is None:
+            raise ValueError(
+                "url: engine: server needs the server's address, e.g. http://127.0.0.1:8000"
+            )
+        if self.url is not None and not re.match(r"https?://[^/\s]+", self.url):
+            raise ValueError(f"url: expected http://HOST:PORT or https://..., got {self.url!r}")
+        if self.api_key_env is not None and not _ENV_NAME.fullmatch(self.api_key_env):
+            raise ValueError(
+                f"api_key_env: expected the name of an environment variable (letters, digits, "
+                f"_), got {self.api_key_env!r}; put the key itself in that variable"
+            )
+        if self.model is not None and not self.model.strip():
+            raise ValueError("model: expected a served model's name, got an empty string")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
 

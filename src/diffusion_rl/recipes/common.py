@@ -310,3 +310,39 @@ def _relative_to(path: Path, root: Path) -> str:
         return str(path.relative_to(root))
     except ValueError:
         return str(path)
+
+
+def rollout_source(source, section, roles):
+    """The source a recipe collects rollouts from: ``source`` itself with
+    ``rollout.engine: in_process``; with ``engine: server`` a
+    :class:`~diffusion_rl.rollout_remote.ServerTokenSource` / ``ServerFlowSource`` around it
+    that pushes, each version, the state-dict tensors the rollout copy owns (those
+    :func:`~diffusion_rl.train.roles.frozen_copy` does not share with the actor: the trained
+    ones) and samples on the server. The API key is read from ``rollout.api_key_env``."""
+    import os
+
+    if section.engine == "in_process":
+        return source
+    from ..rollout import TokenSource
+    from ..rollout_remote import RolloutClient, ServerFlowSource, ServerTokenSource
+    from ..train.roles import shared_tensors
+
+    key = None
+    if section.api_key_env is not None:
+        key = os.environ.get(section.api_key_env)
+        if not key:
+            raise ConfigError(
+                f"rollout.api_key_env: the environment variable {section.api_key_env} is not "
+                "set; export the server's API key there (or set api_key_env: null)"
+            )
+    client = RolloutClient(
+        section.url,
+        model=section.model,
+        api_key=key,
+        timeout_s=section.timeout_s,
+        max_retries=section.max_retries,
+    )
+    shared = shared_tensors(roles.actor)
+    keys = [k for k, t in roles.actor.state_dict(keep_vars=True).items() if id(t) not in shared]
+    wrapper = ServerTokenSource if isinstance(source, TokenSource) else ServerFlowSource
+    return wrapper(source, client, keys=keys)

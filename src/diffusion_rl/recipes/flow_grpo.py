@@ -64,6 +64,7 @@ from .common import (
     image_task,
     load_builtin,
     load_pipeline_actor,
+    rollout_source,
     trainer_factory,
     verified,
     weights_digest,
@@ -139,7 +140,9 @@ class FlowGRPORecipe(OnPolicyRecipe):
         if not self.verified:
             _check_targets(self.reward_fn, task)
         source = FlowSource if self.verified else PromptSource
-        self.source = source(self.actor.judged(task), sampler, config.group_size)
+        self.source = rollout_source(
+            source(self.actor.judged(task), sampler, config.group_size), config.rollout, self.roles
+        )
         # the starting weights: a full pipeline transformer is identified by its directory
         # (actor metadata), not hashed on every start
         full_pipeline = self.actor.pipeline and model.lora is None

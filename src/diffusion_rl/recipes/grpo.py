@@ -1,9 +1,11 @@
 """Recipe: GRPO / DAPO / Dr.GRPO of a token denoiser on a built-in task.
 
 Composes: rollout weights + serving sampler with capture (:func:`collect_rollout` with a
-:class:`TokenSource`) → rewards → group advantages → :class:`PolicyLearner` with the
-:class:`TokenPolicyPlan` (exact replay of live, reference and old policy on the same states,
-μ inner iterations, versioned weight sync) → :func:`evaluate_task`, on the run loop.
+:class:`TokenSource`, in process or, with ``rollout.engine: server``, on a serving engine
+that gets the rollout weights pushed each step) → rewards → group advantages →
+:class:`PolicyLearner` with the :class:`TokenPolicyPlan` (exact replay of live, reference and
+old policy on the same states, μ inner iterations, versioned weight sync) →
+:func:`evaluate_task`, on the run loop.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .common import (
     check_tokenizer,
     evaluate_tokens,
     load_ref,
+    rollout_source,
     save_token_model,
     token_task,
     trainer_factory,
@@ -75,7 +78,7 @@ class GRPORecipe(OnPolicyRecipe):
             ]
         )
         sampler = config.sampler.model_copy(update={"generation_length": task.completion_length})
-        self.source = TokenSource(task, sampler)
+        self.source = rollout_source(TokenSource(task, sampler), config.rollout, self.roles)
         self.shaping = None
         if policy.overlong_buffer_tokens:
             self.shaping = OverlongShaping(

@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import hashlib
 import threading
 import time
 from collections import deque
@@ -48,6 +47,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..checksums import combine_digests, tensor_digest, weights_checksum
 from .errors import RequestError
 from .settings import ServeSettings
 
@@ -89,27 +89,6 @@ def model_tensors(kind: str, model: Any) -> dict[str, torch.Tensor]:
             tensors.update({f"{stage}.{key}": value for key, value in state.items()})
         return tensors
     return dict(model.state_dict()) if hasattr(model, "state_dict") else {}
-
-
-def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
-    """sha256 of one tensor: its name, dtype, shape and raw bytes (any dtype, any device)."""
-    digest = hashlib.sha256(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    if flat.numel():
-        digest.update(flat.view(torch.uint8).numpy())
-    return digest.digest()
-
-
-def _combine(digests: Mapping[str, bytes]) -> str:
-    total = hashlib.sha256()
-    for name in sorted(digests):
-        total.update(digests[name])
-    return total.hexdigest()[:16]
-
-
-def weights_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """The checksum of a set of named tensors (module docstring): 16 hex digits."""
-    return _combine({name: tensor_digest(name, t) for name, t in tensors.items()})
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -633,7 +612,11 @@ class Engine:
         with torch.no_grad():
             for key, value in state_dict.items():
                 tensors[key].copy_(value)
-                lane.digests[key] = tensor_digest(key, tensors[key])
-        updated = replace(current, version=new_version, checksum=_combine(lane.digests))
+        # every name whose storage an update wrote (tied weights share one) is rehashed
+        written = {tensors[key].untyped_storage().data_ptr() for key in state_dict}
+        for key, tensor in tensors.items():
+            if key in state_dict or tensor.untyped_storage().data_ptr() in written:
+                lane.digests[key] = tensor_digest(key, tensor)
+        updated = replace(current, version=new_version, checksum=combine_digests(lane.digests))
         self._served[name] = updated
         return updated
