@@ -34,9 +34,14 @@ class LiveServer:
     """``create_app`` on an :class:`Engine` of ``models`` (name → directory), served by
     uvicorn on loopback; ``url``, ``port``, :meth:`request` (plain HTTP), :meth:`stop`."""
 
-    def __init__(self, models: dict[str, Path], **settings) -> None:
+    def __init__(
+        self, models: dict[str, Path] | None = None, *, served: list | None = None, **settings
+    ) -> None:
+        """``models`` (name → directory) are loaded; ``served``: ServedModels already loaded
+        (e.g. workflows)."""
         self.settings = ServeSettings(port=0, **settings)
-        served = [load_served_model(name, path) for name, path in models.items()]
+        served = list(served or [])
+        served += [load_served_model(name, path) for name, path in (models or {}).items()]
         self.engine = Engine(served, self.settings)
         self.app = create_app(self.engine, self.settings)
         config = uvicorn.Config(

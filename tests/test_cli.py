@@ -550,6 +550,10 @@ def test_readme_commands_parse_and_read_models_that_earlier_commands_write(monke
                 written.add(f"{loaded.output_dir}/model/workflow.yaml")
             if not args.print_config:
                 written.add(f"{loaded.output_dir}/model")
+        elif args.command == "serve":  # repeatable --model NAME=DIR / --workflow
+            for spec in (args.model or []) + (args.workflow or []):
+                assert spec.split("=", 1)[-1] in written, line
+                reads += 1
         else:
             assert (args.model or args.workflow) in written, line
             reads += 1

@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 
 from ..checksums import combine_digests, tensor_digest, weights_checksum
-from .errors import RequestError
+from .errors import RequestError, busy
 from .settings import ServeSettings
 
 __all__ = [
@@ -390,12 +390,10 @@ class Engine:
         settings = self.settings
         if self._depth >= settings.max_queue:
             self.metrics.count("rejected_total", model=name)
-            raise RequestError(
-                503,
-                f"the request queue is full ({settings.max_queue} waiting); retry after "
-                f"{settings.retry_after_s} s",
-                code="queue_full",
-                headers={"Retry-After": str(settings.retry_after_s)},
+            raise busy(
+                f"the request queue is full ({settings.max_queue} waiting)",
+                "queue_full",
+                settings.retry_after_s,
             )
         rows = getattr(item, "rows", 1)
         rows = rows if isinstance(rows, int) and rows > 0 else 1

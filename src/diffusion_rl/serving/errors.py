@@ -75,6 +75,16 @@ class RequestError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+def busy(what: str, code: str, retry_after_s: int) -> RequestError:
+    """The 503 of a full queue: ``what`` is busy, with ``Retry-After`` in seconds."""
+    return RequestError(
+        503,
+        f"{what}; retry after {retry_after_s} s",
+        code=code,
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
