@@ -412,6 +412,47 @@ def test_update_from_an_allowed_directory_serves_its_weights(dirs):
     assert "--update-weights-dir" in body["error"]["message"]
 
 
+def test_update_from_a_training_checkpoint_is_verified_and_serves_its_weights(dirs):
+    from diffusion_rl.contracts import LossOutput, WeightedMetric
+    from diffusion_rl.models import load_model
+    from diffusion_rl.train import OptimConfig, Trainer
+    from diffusion_rl.train.checkpoint import CheckpointManager
+
+    def no_loss(model, batch, generator):
+        return LossOutput(WeightedMetric(torch.zeros(()), torch.ones(())))
+
+    trainer = Trainer(load_model(dirs / "allowed" / "new").model, no_loss, OptimConfig())
+    step = trainer.save_checkpoint(CheckpointManager(dirs / "allowed" / "ckpt"), {"run": "x"})
+    fresh = LiveServer({"tiny": dirs / "allowed" / "new"}, max_wait_ms=0.0)
+    try:
+        expected = fresh.json("POST", "/v1/completions", PROMPT)[2]
+    finally:
+        fresh.stop()
+    server = LiveServer(
+        {"tiny": dirs / "tiny"}, update_weights_dirs=(str(dirs / "allowed"),), max_wait_ms=0.0
+    )
+    try:
+        status, _, body = server.json(
+            "POST", "/update_weights", {"model": "tiny", "directory": str(step)}
+        )
+        assert status == 200 and body["weights_version"] == 1
+        assert body["weights_checksum"] == expected["weights_checksum"]
+        after = server.json("POST", "/v1/completions", PROMPT)[2]
+        assert after["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+        weights = step / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 1  # one flipped bit: the manifest's SHA-256 no longer matches
+        weights.write_bytes(bytes(data))
+        status, _, body = server.json(
+            "POST", "/update_weights", {"model": "tiny", "directory": str(step)}
+        )
+        assert status == 400 and body["error"]["param"] == "directory"
+        assert "model.safetensors" in body["error"]["message"]
+        assert server.json("POST", "/v1/completions", PROMPT)[2]["weights_version"] == 1
+    finally:
+        server.stop()
+
+
 def test_a_full_queue_answers_503_over_http_and_the_queued_request_is_served(dirs):
     server = LiveServer({"tiny": dirs / "tiny"}, max_queue=1, max_batch_rows=1, max_wait_ms=0.0)
     started, release = threading.Event(), threading.Event()

@@ -91,6 +91,33 @@ def model_tensors(kind: str, model: Any) -> dict[str, torch.Tensor]:
     return dict(model.state_dict()) if hasattr(model, "state_dict") else {}
 
 
+def is_training_checkpoint(directory: str | Path) -> bool:
+    """Whether ``directory`` is a trainer checkpoint (``OUTPUT_DIR/checkpoints/step_N``: a
+    manifest and ``model.safetensors``, no ``config.json``) rather than a model directory."""
+    from ..train.checkpoint import MANIFEST_FILE, MODEL_FILE
+
+    path = Path(directory)
+    return (
+        (path / MANIFEST_FILE).is_file()
+        and (path / MODEL_FILE).is_file()
+        and not (path / "config.json").exists()
+    )
+
+
+def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of trainer checkpoint ``directory``, after verifying every file against
+    its manifest (sizes and SHA-256); a corrupt checkpoint is a 400 naming the file."""
+    import safetensors.torch
+
+    from ..train.checkpoint import MODEL_FILE, CheckpointCorruptError, verify_files
+
+    try:
+        verify_files(directory)
+    except CheckpointCorruptError as error:
+        raise RequestError(400, f"directory: {error}", param="directory") from None
+    return safetensors.torch.load_file(str(Path(directory) / MODEL_FILE))
+
+
 # ----------------------------------------------------------------------------- metrics
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -524,8 +551,10 @@ class Engine:
         state_dict: dict[str, torch.Tensor] | None = None,
         version: int | None = None,
     ) -> ServedModel:
-        """A new weights version of model ``name``: from a model ``directory`` (already
-        confined by the caller: :func:`~diffusion_rl.serving.app.confined_directory`) or from
+        """A new weights version of model ``name``: from a model ``directory`` or a trainer
+        checkpoint directory (``checkpoints/step_N``, verified against its manifest, its
+        tensors applied as a ``state_dict``; both already confined by the caller:
+        :func:`~diffusion_rl.serving.app.confined_directory`) or from
         ``state_dict`` (a subset of the model's tensors, same names, shapes and dtypes; all
         are checked before any is copied). Runs in the model's worker between batches
         (module docstring). ``version``: the new version number (> the current one; default
@@ -564,6 +593,8 @@ class Engine:
                 param="version",
                 code="version_conflict",
             )
+        if directory is not None and is_training_checkpoint(directory):
+            state_dict, directory = checkpoint_tensors(directory), None
         if directory is not None:
             if current.kind == "workflow":
                 raise RequestError(
