@@ -455,7 +455,26 @@ class _ClipReward:
         return clip, (image * texts[rows]).sum(-1)
 
 
-class ClipScoreReward(_ClipReward):
+class _ScaledClipReward(_ClipReward):
+    """A CLIP reward times ``scale`` (the options of :class:`ClipScoreReward`)."""
+
+    def __init__(
+        self,
+        *,
+        path: str | None = None,
+        scale: float = 1.0,
+        device: str | None = None,
+        dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
+        batch_size: int = 32,
+    ) -> None:
+        super().__init__(path=path, device=device, dtype=dtype, batch_size=batch_size)
+        self.scale = _check_real(f"{self.name}.scale", scale)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._options()}, scale={self.scale})"
+
+
+class ClipScoreReward(_ScaledClipReward):
     """CLIP score: ``scale * cos(E_text(prompt), E_image(image))`` with a transformers
     ``CLIPModel`` from the local directory ``path`` (projected, L2-normalised embeddings; the
     raw cosine in ``[-1, 1]`` times ``scale``, no clipping at 0).
@@ -467,27 +486,12 @@ class ClipScoreReward(_ClipReward):
 
     name = "clip_score"
 
-    def __init__(
-        self,
-        *,
-        path: str | None = None,
-        scale: float = 1.0,
-        device: str | None = None,
-        dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
-        batch_size: int = 32,
-    ) -> None:
-        super().__init__(path=path, device=device, dtype=dtype, batch_size=batch_size)
-        self.scale = _check_real(f"{self.name}.scale", scale)
-
-    def __repr__(self) -> str:
-        return f"ClipScoreReward({self._options()}, scale={self.scale})"
-
     def __call__(self, images: torch.Tensor, examples: Sequence[Any]) -> torch.Tensor:
         _, cosines = self._cosines(images, examples)
         return (self.scale * cosines).cpu()
 
 
-class PickScoreReward(_ClipReward):
+class PickScoreReward(_ScaledClipReward):
     """PickScore-style preference: ``scale * exp(logit_scale) * cos(E_text, E_image)`` (the
     PickScore formula; the released PickScore_v1 is a CLIP-H ``CLIPModel`` with its
     ``logit_scale``, ~100, giving scores around 20). Flow-GRPO trains on ``scale = 1/26``.
@@ -497,21 +501,6 @@ class PickScoreReward(_ClipReward):
     """
 
     name = "pickscore"
-
-    def __init__(
-        self,
-        *,
-        path: str | None = None,
-        scale: float = 1.0,
-        device: str | None = None,
-        dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
-        batch_size: int = 32,
-    ) -> None:
-        super().__init__(path=path, device=device, dtype=dtype, batch_size=batch_size)
-        self.scale = _check_real(f"{self.name}.scale", scale)
-
-    def __repr__(self) -> str:
-        return f"PickScoreReward({self._options()}, scale={self.scale})"
 
     def __call__(self, images: torch.Tensor, examples: Sequence[Any]) -> torch.Tensor:
         clip, cosines = self._cosines(images, examples)
