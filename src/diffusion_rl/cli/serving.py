@@ -291,6 +291,20 @@ def cmd_generate_tokens(args, loaded) -> int:
     return 0
 
 
+def _report_images(args, result, sampler, headline: str, parts: dict) -> None:
+    """Print an image evaluation (``headline`` on N images, then ``parts``) and write it to
+    ``--output`` as JSON with the sampler."""
+    print(
+        f"{headline} on {result.num_images} {args.split} images "
+        f"({sampler.num_steps} ODE steps, guidance {sampler.guidance_scale:g})"
+    )
+    print("  " + "  ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+    if args.output:
+        record = {**result.to_dict(), "sampler": sampler.model_dump(mode="json")}
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+
+
 def cmd_eval_images(args, loaded) -> int:
     """``eval`` for a loaded flow (image) model: verifier accuracy per attribute on its task's
     ``--split`` prompts, ``--samples`` images each (seeds ``--seed``, ``--seed`` + 1, ...)."""
@@ -321,15 +335,7 @@ def cmd_eval_images(args, loaded) -> int:
         seed=args.seed,
         batch_size=(sampler.micro_batch_size or 8) if pipeline else 128,
     )
-    print(
-        f"accuracy {result.accuracy:.3f} on {result.num_images} {args.split} images "
-        f"({sampler.num_steps} ODE steps, guidance {sampler.guidance_scale:g})"
-    )
-    print("  " + "  ".join(f"{k} {v:.3f}" for k, v in result.attributes.items()))
-    if args.output:
-        record = {**result.to_dict(), "sampler": sampler.model_dump(mode="json")}
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+    _report_images(args, result, sampler, f"accuracy {result.accuracy:.3f}", result.attributes)
     return 0
 
 
@@ -379,15 +385,7 @@ def _eval_prompt_list(args, loaded, task_info: dict) -> int:
         seed=args.seed,
         batch_size=(sampler.micro_batch_size or 8) if pipeline else 128,
     )
-    print(
-        f"reward {result.reward_mean:.3f} on {result.num_images} {args.split} images "
-        f"({sampler.num_steps} ODE steps, guidance {sampler.guidance_scale:g})"
-    )
-    print("  " + "  ".join(f"{k} {v:.3f}" for k, v in result.rewards.items()))
-    if args.output:
-        record = {**result.to_dict(), "sampler": sampler.model_dump(mode="json")}
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+    _report_images(args, result, sampler, f"reward {result.reward_mean:.3f}", result.rewards)
     return 0
 
 

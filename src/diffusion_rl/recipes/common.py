@@ -305,6 +305,16 @@ def eval_record(result: ImageEvalResult | ClipEvalResult, step: int) -> tuple[di
     return record, metrics
 
 
+def pipeline_eval_record(model, task, sampler, config, grid: Path, step: int, *, video: bool):
+    """:func:`evaluate_pipeline_model` as a history entry: ``(record, metrics, result)``, the
+    record with ``grid`` (the written preview, relative to the run) when one was written."""
+    result, written = evaluate_pipeline_model(model, task, sampler, config, grid, video=video)
+    record, metrics = eval_record(result, step)
+    if written is not None:
+        record["grid"] = written
+    return record, metrics, result
+
+
 def _relative_to(path: Path, root: Path) -> str:
     try:
         return str(path.relative_to(root))

@@ -56,14 +56,13 @@ from .common import (
     before_after,
     check_model_fits_task,
     check_model_takes_prompts,
-    eval_record,
     evaluate_image_model,
-    evaluate_pipeline_model,
     evaluate_prompt_model,
     flow_start,
     image_task,
     load_builtin,
     load_pipeline_actor,
+    pipeline_eval_record,
     rollout_source,
     trainer_factory,
     verified,
@@ -202,17 +201,15 @@ class FlowGRPORecipe(OnPolicyRecipe):
             )
             return {"step": step, **record}, metrics
         if self.actor.pipeline:
-            self.final, written = evaluate_pipeline_model(
+            record, metrics, self.final = pipeline_eval_record(
                 self.served,
                 self.actor.judged(self.task),
                 cfg.sampler,
                 cfg,
                 grid,
+                step,
                 video=self.actor.video,
             )
-            record, metrics = eval_record(self.final, step)
-            if written is not None:
-                record["grid"] = written
         else:
             record, metrics, self.final = evaluate_image_model(
                 self.served, self.task, cfg.sampler, cfg, step, grid

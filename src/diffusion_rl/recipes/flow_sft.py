@@ -38,14 +38,13 @@ from ..tasks.motion import MotionTask
 from .common import (
     FlowActor,
     check_model_fits_task,
-    eval_record,
     evaluate_image_model,
-    evaluate_pipeline_model,
     evaluate_video_model,
     flow_start,
     load_builtin,
     load_pipeline_actor,
     new_flow_model,
+    pipeline_eval_record,
     trainer_factory,
     with_lora,
 )
@@ -137,17 +136,15 @@ class FlowSFTRecipe(Recipe):
         grid = self.out / "samples" / f"step_{step:06d}.png"
         cfg = self.config
         if self.actor.pipeline and not self.video:
-            self.final, written = evaluate_pipeline_model(
+            record, metrics, self.final = pipeline_eval_record(
                 self.model,
                 self.actor.judged(self.task),
                 cfg.sampler,
                 cfg,
                 grid,
+                step,
                 video=self.actor.video,
             )
-            record, metrics = eval_record(self.final, step)
-            if written is not None:
-                record["grid"] = written
             return record, metrics
         evaluate = evaluate_video_model if self.video else evaluate_image_model
         record, metrics, self.final = evaluate(self.model, self.task, cfg.sampler, cfg, step, grid)
