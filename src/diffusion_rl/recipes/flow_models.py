@@ -456,9 +456,16 @@ def evaluate_pipeline_model(model, task: TaskView, sampler, config, grid: Path, 
         seed=config.seed,
         batch_size=sampler.micro_batch_size or 8,
     )
+    return result, save_preview(result, config, grid, video=video)
+
+
+def save_preview(result, config, grid: Path, *, video: bool) -> str | None:
+    """The first ``config.grid_images`` samples of an evaluation ``result`` as a captioned
+    grid (a video model: frame strips with a GIF beside them) at ``grid``; returns the file
+    relative to ``config.output_dir``, or None when ``grid_images`` is 0."""
     count = min(config.grid_images, result.num_images)
     if not count:
-        return result, None
+        return None
     images, captions = result.images[:count], result.captions()[:count]
     upscale = max(1, 96 // int(images.shape[-1]))  # 6x for 16 pixels, none from 96 up
     if video:
@@ -467,7 +474,7 @@ def evaluate_pipeline_model(model, task: TaskView, sampler, config, grid: Path, 
     else:
         save_image_grid(images, grid, nrow=8, captions=captions, upscale=upscale)
     grid, root = Path(grid), Path(config.output_dir)
-    return result, str(grid.relative_to(root) if grid.is_relative_to(root) else grid)
+    return str(grid.relative_to(root) if grid.is_relative_to(root) else grid)
 
 
 # ----------------------------------------------------------------------------- prompt lists
@@ -525,15 +532,7 @@ def evaluate_prompt_model(model, task, reward_fn, sampler, config, grid: Path, *
     record = {"reward_mean": result.reward_mean, "rewards": dict(result.rewards)}
     metrics = {"eval/reward_mean": result.reward_mean}
     metrics.update({f"eval/{name}": value for name, value in result.rewards.items()})
-    count = min(config.grid_images, result.num_images)
-    if count:
-        images, captions = result.images[:count], result.captions()[:count]
-        upscale = max(1, 96 // int(images.shape[-1]))  # 6x for 16 pixels, none from 96 up
-        if video:
-            save_video_strip(images, grid, captions=captions, upscale=upscale)
-            save_video_gif(images, Path(grid).with_suffix(".gif"), upscale=upscale)
-        else:
-            save_image_grid(images, grid, nrow=8, captions=captions, upscale=upscale)
-        grid, root = Path(grid), Path(config.output_dir)
-        record["grid"] = str(grid.relative_to(root) if grid.is_relative_to(root) else grid)
+    written = save_preview(result, config, grid, video=video)
+    if written is not None:
+        record["grid"] = written
     return record, metrics, result
