@@ -50,6 +50,19 @@ def example_of(item: object, index: int, example_type: type[E], parse: Callable[
     return parse(prompt)
 
 
+def task_config(task, config: BaseModel | None) -> BaseModel:
+    """``config`` checked as ``task.config_class`` (None: its defaults); a config of another
+    class is a ``TypeError`` naming the task."""
+    if config is None:
+        return task.config_class()
+    if not isinstance(config, task.config_class):
+        raise TypeError(
+            f"{type(task).__name__}.config: expected a {task.config_class.__name__}, got "
+            f"{type(config).__name__}"
+        )
+    return config
+
+
 class PromptTask:
     """Base of a task with a finite prompt set: config checks, ``info`` round trip, the seeded
     split and the example streams.
@@ -66,14 +79,7 @@ class PromptTask:
     seed_key: ClassVar[str]
 
     def __init__(self, config: BaseModel | None = None) -> None:
-        if config is None:
-            config = self.config_class()
-        if not isinstance(config, self.config_class):
-            raise TypeError(
-                f"{type(self).__name__}.config: expected a {self.config_class.__name__}, got "
-                f"{type(config).__name__}"
-            )
-        self.config = config
+        self.config = task_config(self, config)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"

@@ -39,6 +39,7 @@ import torch
 from pydantic import BaseModel
 
 from ..models.tokenizer import CharTokenizer
+from .prompts import task_config
 
 __all__ = ["Split", "TextTask", "TokenizerMismatchError", "check_index", "check_split"]
 
@@ -84,14 +85,7 @@ class TextTask:
     truncate_targets: ClassVar[bool] = False
 
     def __init__(self, config: BaseModel | None = None, tokenizer: Any = None) -> None:
-        if config is None:
-            config = self.config_class()
-        if not isinstance(config, self.config_class):
-            raise TypeError(
-                f"{type(self).__name__}.config: expected a {self.config_class.__name__}, got "
-                f"{type(config).__name__}"
-            )
-        self.config = config
+        self.config = task_config(self, config)
         self._prepare()
         self.tokenizer = CharTokenizer(self.characters) if tokenizer is None else tokenizer
         if isinstance(self.tokenizer, CharTokenizer):
