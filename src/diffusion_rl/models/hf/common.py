@@ -561,6 +561,27 @@ EXTRA_FILES = ("generation_config.json",)
 (Dream's own loader reads ``generation_config.json`` unconditionally)."""
 
 
+def decoder_keywords(
+    sizes: Mapping[str, int], max_positions: int, config: Mapping[str, Any], where: str
+) -> dict[str, Any]:
+    """The keywords every stock decoder config (``LlamaConfig``, ``Qwen2Config``) takes from a
+    family's checked sizes (``vocab``, ``d``, ``mlp``, ``layers``, ``heads``, ``kv``): the
+    widths, a SiLU MLP, ``max_positions`` and the config's ``attention_dropout``."""
+    return {
+        "vocab_size": sizes["vocab"],
+        "hidden_size": sizes["d"],
+        "intermediate_size": sizes["mlp"],
+        "num_hidden_layers": sizes["layers"],
+        "num_attention_heads": sizes["heads"],
+        "num_key_value_heads": sizes["kv"],
+        "hidden_act": "silu",
+        "max_position_embeddings": max_positions,
+        "attention_dropout": config_float(
+            config, "attention_dropout", 0.0, where=where, positive=False
+        ),
+    }
+
+
 class HFTokenDenoiser(nn.Module):
     """A stock transformers decoder behind the :class:`~diffusion_rl.models.TokenDenoiser`
     protocol. Subclasses set ``family``, ``key_map``, ``network_class_name`` and implement

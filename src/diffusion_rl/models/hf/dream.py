@@ -40,6 +40,7 @@ from .common import (
     config_float,
     config_int,
     config_value,
+    decoder_keywords,
     linear_params,
     require_transformers,
     rope_parameters,
@@ -137,20 +138,10 @@ class DreamDenoiser(HFTokenDenoiser):
         sizes = _sizes(config, where)
         transformers = require_transformers()
         return transformers.Qwen2Config(
-            vocab_size=sizes["vocab"],
-            hidden_size=sizes["d"],
-            intermediate_size=sizes["mlp"],
-            num_hidden_layers=sizes["layers"],
-            num_attention_heads=sizes["heads"],
-            num_key_value_heads=sizes["kv"],
-            hidden_act="silu",
-            max_position_embeddings=cls.max_seq_len_of(config),
+            **decoder_keywords(sizes, cls.max_seq_len_of(config), config, where),
             rms_norm_eps=config_float(config, "rms_norm_eps", 1e-6, where=where),
             rope_parameters=rope_parameters({"rope_theta": 10000.0, **config}, where),
             tie_word_embeddings=config_bool(config, "tie_word_embeddings", False, where=where),
-            attention_dropout=config_float(
-                config, "attention_dropout", 0.0, where=where, positive=False
-            ),
             use_sliding_window=False,
             sliding_window=None,
             use_cache=False,

@@ -33,6 +33,7 @@ from .common import (
     config_float,
     config_int,
     config_value,
+    decoder_keywords,
     linear_params,
     require_transformers,
 )
@@ -176,22 +177,12 @@ class LLaDADenoiser(HFTokenDenoiser):
         sizes = _sizes(config, where)
         transformers = require_transformers()
         return transformers.LlamaConfig(
-            vocab_size=sizes["vocab"],
-            hidden_size=sizes["d"],
-            intermediate_size=sizes["mlp"],
-            num_hidden_layers=sizes["layers"],
-            num_attention_heads=sizes["heads"],
-            num_key_value_heads=sizes["kv"],
-            hidden_act="silu",
-            max_position_embeddings=cls.max_seq_len_of(config),
+            **decoder_keywords(sizes, cls.max_seq_len_of(config), config, where),
             rms_norm_eps=config_float(config, "rms_norm_eps", 1e-5, where=where),
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": config_float(config, "rope_theta", 10000.0, where=where),
             },
-            attention_dropout=config_float(
-                config, "attention_dropout", 0.0, where=where, positive=False
-            ),
             attention_bias=False,
             mlp_bias=False,
             tie_word_embeddings=config_bool(config, "weight_tying", where=where),
