@@ -23,6 +23,7 @@ LAYERS = {
     "advantages": 0,
     "checksums": 0,
     "models": 1,
+    "distributed": 0,
     "trace": 2,
     "trace_io": 2,
     "sampling": 2,
@@ -43,6 +44,7 @@ LAYERS = {
     "cli": 7,
     "serving": 7,
     "__init__": 7,
+    "__main__": 7,
 }
 # imports that would not break the ranks but that the design forbids
 FORBIDDEN = {("scoring", "sampling"): "replay must not import the sampler"}

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .advantages import AdvantageSpec, group_advantages
+from .distributed import World
 from .sampling.flow import FlowSamplerConfig, sample_flow
 from .sampling.token import TokenSamplerConfig, sample_tokens
 from .trace import FlowTrace, TokenTrace
@@ -50,7 +51,9 @@ class Rollout:
     ``trace`` (a :class:`TokenTrace` or :class:`FlowTrace`), ``outputs`` (what was
     generated), ``examples`` (the task examples answered), ``rewards [B]`` float32 after
     shaping, ``advantages [B]`` float32 (None when none were asked for), ``reward_parts``
-    (each named reward term ``[B]``), ``stats`` (what the rollout looked like).
+    (each named reward term ``[B]``), ``stats`` (what the rollout looked like), ``ghost``
+    (under several processes: the rows stand in for a rank that kept none, and train ×0),
+    ``shard`` (under several processes: this rank's rows only, so a group may be cut).
     """
 
     trace: TokenTrace | FlowTrace
@@ -61,6 +64,8 @@ class Rollout:
     group_size: int
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
+    ghost: bool = False  # a stand-in row of a rank that kept none: trained with weight 0
+    shard: bool = False  # this process's rows of a batch shared by several: groups may be cut
 
     def __post_init__(self) -> None:
         size = len(self.trace)
@@ -72,7 +77,7 @@ class Rollout:
         for name, value in sizes.items():
             if value != size:
                 raise ValueError(f"Rollout.{name}: expected {size} rows (the trace), got {value}")
-        if self.group_size < 1 or size % self.group_size:
+        if self.group_size < 1 or (size % self.group_size and not self.shard):
             raise ValueError(
                 f"Rollout: {size} rows is not a multiple of group_size={self.group_size}"
             )
@@ -120,6 +125,7 @@ class Rollout:
             if first.advantages is None
             else torch.cat([p.advantages for p in parts]),
             group_size=first.group_size,
+            shard=any(p.shard for p in parts),
             reward_parts={
                 k: torch.cat([p.reward_parts[k] for p in parts]) for k in first.reward_parts
             },
@@ -148,7 +154,11 @@ class TokenSource:
         self.task = task
         self.sampler = sampler
 
-    def sample(self, model, examples, seeds, weights_version: int) -> tuple[TokenTrace, list[str]]:
+    def sample(
+        self, model, examples, seeds, weights_version: int, group_seeds=None
+    ) -> tuple[TokenTrace, list[str]]:
+        """``group_seeds`` (each row's group's first seed) is for samplers that share noise
+        within a group; tokens draw per row and ignore it."""
         data = self.task.encode(examples)
         trace = sample_tokens(
             model,
@@ -181,8 +191,10 @@ class FlowSource:
         self.group_size = group_size
 
     def sample(
-        self, model, examples, seeds, weights_version: int
+        self, model, examples, seeds, weights_version: int, group_seeds=None
     ) -> tuple[FlowTrace, torch.Tensor]:
+        """``group_seeds``: each row's group's first seed (rows of a group cut between
+        processes still share its start noise); None: the rows are whole groups."""
         sample = sample_flow(
             model,
             [e.prompt for e in examples],
@@ -190,7 +202,8 @@ class FlowSource:
             seeds=seeds,
             capture=True,
             weights_version=weights_version,
-            group_size=self.group_size,
+            group_size=self.group_size if group_seeds is None else None,
+            init_seeds=group_seeds,
         )
         return sample.trace, sample.images.float()
 
@@ -214,50 +227,94 @@ def collect_rollout(
     shaping: Callable[[TokenTrace | FlowTrace], torch.Tensor] | None = None,
     dynamic_sampling: bool = False,
     max_sampling_rounds: int = 1,
+    world: World | None = None,
 ) -> tuple[Rollout, int]:
     """Sample ``num_prompts`` groups from train prompts ``start_prompt, ...`` with ``model``
     (the rollout weights, at ``weights_version``); returns the rollout and the next prompt
     position (see the module doc). ``shaping(trace) -> [B]`` is added to the rewards under
-    its ``name``."""
+    its ``name``.
+
+    Under several processes (``world``, default :meth:`World.current`) each rank samples its
+    contiguous share of each round's rows (:meth:`World.shard`; a group may be cut between
+    ranks) and returns its rows only; rewards are gathered, so the choice of informative
+    groups, the advantages and the stats are those of the whole batch, the same on every
+    rank and the same as one process computes. A rank left without a kept row gets one of its
+    sampled rows as a *ghost* (``Rollout.ghost``: trained ×0) so that every rank runs the
+    same passes."""
+    world = world or World.current()
+    if num_prompts * group_size < world.size:
+        raise ValueError(
+            f"prompts_per_step × group_size = {num_prompts * group_size} rows cannot be shared "
+            f"by {world.size} processes; sample at least one row per process"
+        )
     position, have, sampled_groups, rounds = start_prompt, 0, 0, 0
     kept: list[Rollout] = []
+    kept_rewards: list[torch.Tensor] = []  # the whole batch's kept rewards, in row order
+    positions: list[torch.Tensor] = []  # where this rank's kept rows are among them
     sampled: list[torch.Tensor] = []
+    spare: Rollout | None = None  # this rank's first sampled rows, for a ghost
     while have < num_prompts and rounds < (max_sampling_rounds if dynamic_sampling else 1):
         need = num_prompts - have
         indices = range(position, position + need)
         position += need
-        examples = [source.task.example(i, "train") for i in indices for _ in range(group_size)]
-        seeds = [rollout_seed(seed, i, g) for i in indices for g in range(group_size)]
-        trace, outputs = source.sample(model, examples, seeds, weights_version)
-        scored = reward_fn(outputs, examples)
-        rewards, parts = scored.total, dict(scored.parts)
-        if shaping is not None:
-            parts[shaping.name] = shaping(trace)
-            rewards = rewards + parts[shaping.name]
-        part = Rollout(trace, outputs, examples, rewards, None, group_size, parts)
+        rows = [(i, g) for i in indices for g in range(group_size)]
+        mine = world.shard(len(rows))
+        part = None
+        local = torch.zeros(0)
+        if len(mine):
+            own = [rows[r] for r in mine]
+            examples = [source.task.example(i, "train") for i, _ in own]
+            seeds = [rollout_seed(seed, i, g) for i, g in own]
+            extra = {}
+            if world.distributed:  # a group cut between ranks keeps its shared start noise
+                extra["group_seeds"] = [rollout_seed(seed, i, 0) for i, _ in own]
+            trace, outputs = source.sample(model, examples, seeds, weights_version, **extra)
+            scored = reward_fn(outputs, examples)
+            local, parts = scored.total, dict(scored.parts)
+            if shaping is not None:
+                parts[shaping.name] = shaping(trace)
+                local = local + parts[shaping.name]
+            cut = world.distributed
+            part = Rollout(trace, outputs, examples, local, None, group_size, parts, shard=cut)
+            spare = spare or part
+        rewards = world.gather_rows(local.float())
         sampled_groups += need
         rounds += 1
         sampled.append(rewards)
+        keep = torch.ones(len(rows), dtype=torch.bool)
         if dynamic_sampling:
             groups = rewards.view(-1, group_size)
             informative = (groups.max(1).values - groups.min(1).values) > 0
             if not bool(informative.any()):
                 continue
-            part = part.rows(informative.repeat_interleave(group_size).nonzero().squeeze(1))
+            keep = informative.repeat_interleave(group_size)
             have += int(informative.sum())
         else:
             have += need
-        kept.append(part)
-    if not kept:
+        offset = sum(len(r) for r in kept_rewards)
+        kept_rewards.append(rewards[keep])
+        order = torch.cumsum(keep.long(), 0) - 1  # each kept row's place among the kept
+        mine_kept = torch.tensor([r for r in mine if keep[r]], dtype=torch.long)
+        if part is not None and len(mine_kept):
+            kept.append(part.rows(mine_kept - mine.start) if not bool(keep.all()) else part)
+            positions.append(offset + order[mine_kept])
+    if not kept_rewards:
         raise RuntimeError(
             f"dynamic sampling: all {sampled_groups} sampled groups had equal rewards in "
             f"{rounds} rounds; raise max_sampling_rounds or the sampling temperature"
         )
-    rollout = Rollout.concat(kept)
+    all_kept = torch.cat(kept_rewards)
+    ghost = not kept
+    if ghost:
+        rollout = replace(spare.rows(torch.zeros(1, dtype=torch.long)), ghost=True)
+    else:
+        rollout = Rollout.concat(kept)
+    mine_at = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
+    advantages = None
     if advantage is not None:
-        rollout = replace(
-            rollout, advantages=group_advantages(rollout.rewards, group_size, advantage)
-        )
+        advantages = group_advantages(all_kept, group_size, advantage)
+        local_adv = torch.zeros(1) if ghost else advantages[mine_at]
+        rollout = replace(rollout, advantages=local_adv)
     all_rewards = torch.cat(sampled)
     groups = all_rewards.view(-1, group_size)
     stats = {
@@ -265,15 +322,26 @@ def collect_rollout(
         "rollout/reward_std": float(all_rewards.std(correction=0)),
         "rollout/flat_groups": float((groups.max(1).values == groups.min(1).values).float().mean()),
         "rollout/groups_sampled": float(sampled_groups),
-        "rollout/groups_kept": float(len(rollout) // group_size),
-        "rollout/groups_short": float(max(0, num_prompts - len(rollout) // group_size)),
+        "rollout/groups_kept": float(len(all_kept) // group_size),
+        "rollout/groups_short": float(max(0, num_prompts - len(all_kept) // group_size)),
     }
-    if rollout.advantages is not None:
-        stats["rollout/advantage_abs_mean"] = float(rollout.advantages.abs().mean())
+    if advantages is not None:
+        stats["rollout/advantage_abs_mean"] = float(advantages.abs().mean())
+    row_means: dict[str, float] = {}
     if len(rollout.reward_parts) > 1:
-        stats.update({f"rollout/{k}": float(v.mean()) for k, v in rollout.reward_parts.items()})
-    stats.update(source.stats(rollout))
+        row_means.update({f"rollout/{k}": float(v.mean()) for k, v in rollout.reward_parts.items()})
+    row_means.update(source.stats(rollout))
+    stats.update(_row_weighted_means(world, row_means, 0 if ghost else len(rollout)))
     return replace(rollout, stats=stats), position
+
+
+def _row_weighted_means(world: World, means: dict[str, float], rows: int) -> dict[str, float]:
+    """Per-row means over every rank's rows (each rank's mean weighted by its row count)."""
+    if not world.distributed:
+        return means
+    keys = sorted(means)
+    totals = world.sum([means[k] * rows for k in keys] + [rows])
+    return {k: totals[i] / max(totals[-1], 1.0) for i, k in enumerate(keys)}
 
 
 # ------------------------------------------------------------------------------ workflows
@@ -325,6 +393,7 @@ def collect_workflow_rollout(
     fanout: dict[str, int] | None = None,
     samplers: dict[str, FlowSamplerConfig] | None = None,
     diagnostics: Callable[[Any], dict[str, float]] | None = None,
+    world: World | None = None,
 ) -> tuple[WorkflowRollout, int]:
     """A tree rollout of ``workflow`` (the stages' rollout weights, at ``versions``) on the
     train prompts ``start_prompt, ...`` of ``workflow.task``: ``group_size`` first-stage
@@ -332,10 +401,20 @@ def collect_workflow_rollout(
     input row, captured. ``reward_fn(final artefacts, examples)`` scores the final stage;
     every stage's rows get the mean final reward of their descendants and group advantages
     within :func:`tree_group_sizes`. ``diagnostics(run)`` adds stats (e.g. a stage-one
-    verifier). Returns the rollout and the next prompt position."""
+    verifier). Returns the rollout and the next prompt position.
+
+    Under several processes (``world``) each rank runs the workflow on its contiguous share of
+    the first-stage rows (their descendants follow them) and keeps its rows of every stage;
+    final rewards are gathered, so stage rewards, advantages and stats are the whole tree's
+    (the same as one process computes), and ``diagnostics`` are averaged over the ranks'
+    first-stage rows."""
+    world = world or World.current()
     indices = range(start_prompt, start_prompt + num_prompts)
-    examples = [workflow.task.example(i, "train") for i in indices for _ in range(group_size)]
-    seeds = [rollout_seed(seed, i, g) for i in indices for g in range(group_size)]
+    rows = [(i, g) for i in indices for g in range(group_size)]
+    mine = world.share(len(rows), "prompts_per_step × group_size")
+    rows = rows[mine]
+    examples = [workflow.task.example(i, "train") for i, _ in rows]
+    seeds = [rollout_seed(seed, i, g) for i, g in rows]
     run = workflow.run(
         examples, seeds, capture=True, versions=versions, samplers=samplers, fanout=fanout
     )
@@ -344,16 +423,20 @@ def collect_workflow_rollout(
     final = run.final
     final_examples = run.examples_of(final.name)
     scored = reward_fn(final.artefact, final_examples)
-    rewards = scored.total.float()
+    local_rewards = scored.total.float()
+    rewards = world.gather_rows(local_rewards)  # the whole tree's, parent-major
     sizes = tree_group_sizes(group_size, fanouts)
     stage_rewards = descendant_means(rewards, fanouts)
     stages: dict[str, Rollout] = {}
+    width = 1  # rows of a stage per first-stage row
     stats: dict[str, float] = {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std(correction=0)),
     }
-    for stage, size, values in zip(workflow.spec.stages, sizes, stage_rewards):
+    for stage, size, fan, values in zip(workflow.spec.stages, sizes, fanouts, stage_rewards):
         output = run.stages[stage.name]
+        width *= fan
+        local = slice(mine.start * width, mine.stop * width)
         advantages = group_advantages(values, size, advantage)
         groups = values.view(-1, size)
         flat = (groups.max(1).values == groups.min(1).values).float().mean()
@@ -362,10 +445,11 @@ def collect_workflow_rollout(
             trace=output.trace,
             outputs=output.artefact,
             examples=run.examples_of(stage.name),
-            rewards=values,
-            advantages=advantages,
+            rewards=values[local],
+            advantages=advantages[local],
             group_size=size,
             reward_parts=parts,
+            shard=world.distributed,
             stats={
                 "rollout/reward_mean": float(values.mean()),
                 "rollout/flat_groups": float(flat),
@@ -373,8 +457,10 @@ def collect_workflow_rollout(
                 "rollout/group_size": float(size),
             },
         )
+    means: dict[str, float] = {}
     if len(scored.parts) > 1:
-        stats.update({f"rollout/{k}": float(v.mean()) for k, v in scored.parts.items()})
+        means.update({f"rollout/{k}": float(v.mean()) for k, v in scored.parts.items()})
     if diagnostics is not None:
-        stats.update(diagnostics(run))
+        means.update(diagnostics(run))
+    stats.update(_row_weighted_means(world, means, len(rows)))
     return WorkflowRollout(run, stages, rewards, stats), start_prompt + num_prompts

@@ -26,6 +26,7 @@ from ..tasks import TASKS, get_task
 from ..tasks.datasets import PromptFileConfig, PromptFileTask
 from ..tasks.geneval import GenEvalConfig, GenEvalTask
 from ..tasks.motion import MotionConfig, MotionTask
+from ..train.parallel import ParallelConfig
 from .limits import _limit_problems, check_device
 from .loading import (
     ConfigError,
@@ -67,6 +68,8 @@ class RunConfig(BaseModel):
     # the run (0: abort on the first). Zero-weight skips (no signal in a batch) never abort.
     max_consecutive_skips: int = Field(default=3, ge=0)
     wandb_project: str | None = None  # also log to Weights & Biases (pip install wandb)
+    # under torchrun: meshes, FSDP mixed precision, backend (docs/distributed.md)
+    distributed: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @field_validator("output_dir", "wandb_project")
     @classmethod

@@ -31,6 +31,7 @@ from ..tasks import TokenizerMismatchError, get_task
 from ..tasks.datasets import PromptFileTask
 from ..tasks.geneval import GenEvalTask
 from ..tasks.motion import MotionTask
+from ..train.parallel import full_tensor, run_parallel
 from ..train.trainer import LossFn, Trainer
 
 # The flow recipes' model: built-in or a diffusers pipeline (recipes/flow_models.py).
@@ -51,7 +52,8 @@ from .flow_models import (  # noqa: F401, E402 - re-exported for flow-sft and fl
 
 def trainer_factory(config: Any) -> Callable[[nn.Module, LossFn | None], Trainer]:
     """``(model, loss_fn) → Trainer`` with the recipe config's ``optim``, ``precision``,
-    ``seed`` and ``device`` (and ``activation_checkpointing`` where the recipe offers it)."""
+    ``seed`` and ``device`` (and ``activation_checkpointing`` where the recipe offers it),
+    sharded as ``distributed`` says under ``torchrun``."""
 
     def make_trainer(model: nn.Module, loss_fn: LossFn | None) -> Trainer:
         return Trainer(
@@ -62,17 +64,20 @@ def trainer_factory(config: Any) -> Callable[[nn.Module, LossFn | None], Trainer
             activation_checkpointing=getattr(config, "activation_checkpointing", False),
             seed=config.seed,
             device=config.device,
+            parallel=run_parallel(config.distributed),
         )
 
     return make_trainer
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """A short content hash of a model's weights (identifies a frozen model in checkpoints)."""
+    """A short content hash of a model's weights (identifies a frozen model in checkpoints;
+    a sharded model's tensors are gathered, a collective every rank takes part in)."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
+        tensor = full_tensor(tensor.detach())  # a sharded model (teacher): gathered whole
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 

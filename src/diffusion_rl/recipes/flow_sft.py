@@ -103,6 +103,8 @@ class FlowSFTRecipe(Recipe):
         keys = noise_keys(range(first, first + cfg.batch_size), cfg.seed, self.trainer.global_step)
         examples, pixels = self.task.train_batch(self.position, cfg.batch_size)
         self.position += 1
+        mine = self.trainer.world.share(cfg.batch_size, "batch_size")  # this rank's rows
+        keys, examples, pixels = keys[mine], examples[mine], pixels[mine]
         prompts = [e.prompt for e in examples]
         if self.actor.scale > 1:  # a pipeline making k× the task's images: renders enlarged
             pixels = F.interpolate(pixels, scale_factor=self.actor.scale, mode="nearest")

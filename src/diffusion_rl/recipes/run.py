@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
+from ..distributed import World, init_world
 from ..plots import plot_curves
 from ..rollout import collect_rollout
 from ..train import CheckpointManager, MetricsLogger, Trainer, progress
@@ -70,6 +71,7 @@ from ..train.loggers import (
     fsync_directory,
     truncate_metrics,
 )
+from ..train.parallel import local_tensor
 
 __all__ = [
     "NonFiniteParametersError",
@@ -226,7 +228,8 @@ class OnPolicyRecipe(Recipe):
 
     def step(self) -> dict[str, float]:
         cfg = self.config
-        with self.trainer.autocast():  # sample at the learner's precision: same kernels, parity 0
+        # sample at the learner's precision (autocast, or FSDP's compute dtype): parity 0
+        with self.trainer.autocast(), self.roles.sampling():
             rollout, self.position = collect_rollout(
                 self.roles.rollout,
                 self.source,
@@ -254,13 +257,17 @@ class OnPolicyRecipe(Recipe):
 
 def prologue(config: Any) -> Path:
     """Thread count (when set), seed and output directory of a run config; returns the output
-    directory, cleared of the leftovers of an interrupted final save."""
+    directory, cleared of the leftovers of an interrupted final save (by rank 0, while the
+    other processes of a distributed run wait)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(out)
+    world = World.current()
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(out)
+    world.barrier()
     return out
 
 
@@ -296,8 +303,9 @@ def finished_results(out: Path, step: int, steps: int) -> dict[str, Any] | None:
 
 def first_non_finite(model: torch.nn.Module) -> tuple[str, torch.Tensor] | None:
     """The first trainable parameter of ``model`` holding NaN or ±inf, as ``(name, tensor)``;
-    ``None`` when all are finite (one device sync for the whole check)."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    ``None`` when all are finite (one device sync for the whole check). A sharded model's
+    parameters are checked on this process's shards."""
+    named = [(name, local_tensor(p)) for name, p in model.named_parameters() if p.requires_grad]
     if not named:
         return None
     finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named])
@@ -402,7 +410,14 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
     when training produced non-finite values, :class:`RunInterrupted` on Ctrl-C (after
     writing a checkpoint of the last completed step), ``ConfigError`` when ``output_dir``
     holds checkpoints and ``resume`` is false.
+
+    Under ``torchrun`` every process runs this loop (the process group is joined first); each
+    takes its share of every step, all take part in checkpoints and weight gathers, and rank 0
+    alone prints, logs, evaluates and writes the reports; every rank returns the results.
     """
+    world = init_world(config.device, config.distributed.backend)
+    if not world.is_main:
+        echo = _silent
     out = prologue(config)
     recipe = build(config)
     trainer = recipe.trainer
@@ -433,26 +448,29 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
             return done
         recipe.last_metrics = state.get("last_metrics") or None
         streak = int(state.get("skip_streak", 0))
-        removed = truncate_metrics(
-            out / METRICS_FILE, state.get("metrics_lines"), through_step=resumed_at
-        )
+        removed = 0
+        if world.is_main:
+            removed = truncate_metrics(
+                out / METRICS_FILE, state.get("metrics_lines"), through_step=resumed_at
+            )
         echo(f"resumed from {checkpoint} at step {resumed_at}")
         if removed:
             echo(f"{METRICS_FILE}: removed {removed} lines logged after that checkpoint")
-    else:  # a fresh start: what an attempt without any checkpoint logged is void
+    elif world.is_main:  # a fresh start: what an attempt without any checkpoint logged is void
         truncate_metrics(out / METRICS_FILE, 0)
         for stale in (out / "tensorboard").glob("events.out.tfevents.*"):
             stale.unlink()
     echo(recipe.describe())
 
     wandb = None
-    if getattr(config, "wandb_project", None):
+    if getattr(config, "wandb_project", None) and world.is_main:
         wandb = WandbLogger(config.wandb_project, out, config.model_dump(mode="json"))
     skips = _SkipStreak(trainer, streak)
     saved_at = resumed_at
     started = time.perf_counter()
     purge = None if resumed_at is None else resumed_at + 1
-    with MetricsLogger(out, purge_step=purge, wandb=wandb) as logger:
+    logs = MetricsLogger(out, purge_step=purge, wandb=wandb) if world.is_main else _NoLogger()
+    with logs as logger:
 
         def save() -> None:
             nonlocal saved_at, checkpoint
@@ -468,7 +486,9 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
             saved_at = recipe.steps_done()
 
         def evaluate(tag: str) -> dict[str, Any]:
-            record, metrics = recipe.evaluate(tag)
+            trainer.publish()  # the trained weights into the plain model rank 0 evaluates
+            record, metrics = recipe.evaluate(tag) if world.is_main else (None, None)
+            record, metrics = world.broadcast((record, metrics))
             history.append(record)
             logger.log(record["step"], metrics)
             if "grid" in record:
@@ -476,7 +496,7 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
             return record
 
         with _InterruptGuard() as interrupt:
-            bar = progress(config.steps, recipe.name)
+            bar = progress(config.steps, recipe.name, disable=not world.is_main)
             try:
                 if recipe.eval_before and not history:
                     evaluate("before")
@@ -488,14 +508,14 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
                 ):  # resumed from the end of a shorter run: its last evaluation is due
                     evaluate("step")
                 bar.update(recipe.steps_done())
-                while recipe.steps_done() < config.steps and not interrupt.requested:
+                while recipe.steps_done() < config.steps and not world.any(interrupt.requested):
                     metrics = recipe.step()
                     recipe.last_metrics = metrics
                     step = recipe.steps_done()
                     bar.update(1)
                     if step % config.log_every == 0:
                         logger.log(step, metrics)
-                    _check_step(config, trainer, skips, step, checkpoint)
+                    _check_step(config, trainer, skips, step, checkpoint, world)
                     postfix = recipe.postfix(metrics)
                     if step % config.eval_every == 0 and step < config.steps:
                         what, value = _headline(evaluate("step"))
@@ -516,7 +536,7 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
                 raise RunInterrupted(message) from None
             finally:
                 bar.close()
-        if interrupt.requested:
+        if world.any(interrupt.requested):
             message = (
                 f"interrupted: checkpoint of step {saved_at} written to {checkpoint}; run the "
                 "same command again to resume from it"
@@ -530,6 +550,10 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
             echo(message)
             raise RunInterrupted(message) from None
 
+    trainer.publish()
+    if not world.is_main:
+        world.barrier()  # rank 0 writes the figure, the model and results.json
+        return world.broadcast(None)
     figure = recipe.plot(out, history)
     save_final_model(recipe, out)
     results = {
@@ -550,7 +574,33 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
             f"non-finite loss or gradient, {trainer.skipped_zero_weight} for zero loss weight "
             f"(skipped_nonfinite, skipped_zero_weight in {out / RESULTS_FILE})"
         )
-    return results
+    world.barrier()
+    return world.broadcast(results)
+
+
+def _silent(message: str) -> None:
+    """The echo of ranks other than 0: rank 0 speaks for the run."""
+
+
+class _NoLogger:
+    """The metrics logger of ranks other than 0: logs nothing (rank 0 writes the files)."""
+
+    lines = 0
+
+    def __enter__(self) -> _NoLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def log_images(self, step: int, images: dict) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
 
 
 def _headline(record: dict[str, Any]) -> tuple[str, float]:
@@ -562,10 +612,16 @@ def _headline(record: dict[str, Any]) -> tuple[str, float]:
 
 
 def _check_step(
-    config: Any, trainer: Trainer, skips: _SkipStreak, step: int, checkpoint: Path | None
+    config: Any,
+    trainer: Trainer,
+    skips: _SkipStreak,
+    step: int,
+    checkpoint: Path | None,
+    world: World,
 ) -> None:
     """Fail loudly after a step: too many non-finite skips in a row, or non-finite
-    parameters, raise before anything of this step is saved."""
+    parameters, raise before anything of this step is saved (on every rank: the skip counters
+    are global, and each rank's shards are checked and the verdicts shared)."""
     limit = config.max_consecutive_skips
     if skips.update() > limit:
         raise TooManySkippedStepsError(
@@ -575,6 +631,13 @@ def _check_step(
             f"max_consecutive_skips; nothing was saved for step {step} and {_where(checkpoint)}"
         )
     bad = first_non_finite(trainer.model)
+    found = [v for v in world.gather_objects(None if bad is None else bad[0]) if v is not None]
+    if found and bad is None:
+        raise NonFiniteParametersError(
+            f"step {step}: parameter {found[0]!r} has non-finite values after the update (on "
+            f"another rank's shard); training diverged: lower optim.lr{_lr(config)}; nothing "
+            f"was saved for this step and {_where(checkpoint)}"
+        )
     if bad is not None:
         name, tensor = bad
         count = int((~torch.isfinite(tensor.detach())).sum())

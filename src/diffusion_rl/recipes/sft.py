@@ -100,6 +100,7 @@ class SFTRecipe(Recipe):
     def step(self) -> dict[str, float]:
         cfg = self.config
         indices = self.task.train_indices(self.position, cfg.batch_size)
+        indices = indices[self.trainer.world.share(len(indices), "batch_size")]  # this rank's rows
         keys = noise_keys(indices, cfg.seed, self.trainer.global_step)
         batch = sft_batch(self.task.batch(indices, "train"), keys)
         self.position += 1

@@ -21,6 +21,7 @@ The model directory holds one directory per stage and a ``workflow.yaml`` that s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from ..rollout import collect_workflow_rollout
 from ..sampling.flow import FlowSamplerConfig
 from ..tasks.motion import MotionTask
 from ..train.learner import LearnerStage, PolicyLearner
+from ..train.parallel import run_parallel
 from ..train.plans import FlowPolicyPlan
 from ..train.roles import PolicyRoles, frozen_copy
 from ..train.trainer import OptimConfig, Trainer
@@ -118,6 +120,7 @@ class WorkflowRLRecipe(Recipe):
                 seed=config.seed,
                 device=config.device,
                 parts=optims,
+                parallel=run_parallel(config.distributed),
             )
 
         self.learner = PolicyLearner.staged(
@@ -183,7 +186,10 @@ class WorkflowRLRecipe(Recipe):
 
     def step(self) -> dict[str, float]:
         cfg = self.config
-        with self.trainer.autocast():  # sample at the learner's precision: parity 0
+        # sample at the learner's precision (autocast, or FSDP's compute dtype): parity 0
+        with self.trainer.autocast(), contextlib.ExitStack() as stack:
+            for roles in self.roles.values():
+                stack.enter_context(roles.sampling())
             rollout, self.position = collect_workflow_rollout(
                 self.workflow,
                 self.reward_fn,

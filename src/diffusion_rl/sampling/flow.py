@@ -219,11 +219,14 @@ def sample_flow(
     decode: bool = True,
     on_step: Callable[[int], None] | None = None,
     stage: str = "",
+    init_seeds: Sequence[int] | None = None,
 ) -> FlowSample:
     """Generate one sample per prompt.
 
     ``seeds``: one int per row. ``group_size``: rows come in consecutive groups of this size
-    (the G samples of one prompt); required by ``share_group_noise``. ``cond`` / ``uncond``
+    (the G samples of one prompt); required by ``share_group_noise`` unless ``init_seeds``
+    gives each row's initial-noise seed itself (the group's first seed, for rows of groups
+    cut across processes; ignored without ``share_group_noise``). ``cond`` / ``uncond``
     replace ``model.encode_prompts(prompts)`` / ``model.empty_condition(B)`` when given.
     ``capture=True`` returns a :class:`~diffusion_rl.trace.FlowTrace` stamped with
     ``weights_version``, the kernel ids used and ``stage`` (the workflow stage sampling it;
@@ -240,7 +243,7 @@ def sample_flow(
     seeds = [int(s) for s in (seeds.tolist() if isinstance(seeds, torch.Tensor) else seeds)]
     if len(seeds) != batch:
         raise ValueError(f"seeds: expected one per row ({batch}), got {len(seeds)}")
-    if config.share_group_noise and group_size is None:
+    if config.share_group_noise and group_size is None and init_seeds is None:
         raise ValueError("group_size: share_group_noise needs the group size of the batch")
     if group_size is not None and (group_size < 1 or batch % group_size):
         raise ValueError(
@@ -262,8 +265,13 @@ def sample_flow(
     sigmas = flow_sigmas(config.num_steps, config.shift, config.sigma_schedule).to(device)
     sde_steps = config.sde_steps()
     kernels = {op: KERNELS.resolve(op, device, config.kernels.get(op)) for op in FLOW_OPS}
-    init_seeds = seeds
-    if config.share_group_noise:
+    if not config.share_group_noise:
+        init_seeds = seeds
+    elif init_seeds is not None:
+        init_seeds = [int(s) for s in init_seeds]
+        if len(init_seeds) != batch:
+            raise ValueError(f"init_seeds: expected one per row ({batch}), got {len(init_seeds)}")
+    else:
         init_seeds = [seeds[(b // group_size) * group_size] for b in range(batch)]
 
     size = config.micro_batch_size or batch

@@ -86,6 +86,7 @@ class MicroBatch:
     index: int
     batch: Any
     part: str = ""
+    ghost: bool = False  # padding under several processes: its loss counts ×0
 
 
 pytree.register_dataclass(MicroBatch, serialized_type_name="diffusion_rl.train.learner.MicroBatch")
@@ -188,6 +189,12 @@ class PolicyLearner:
         self.allow_off_policy = allow_off_policy
         self.seed = seed
         self.trainer: Trainer = make_trainer()
+        parallel = self.trainer.parallel
+        if parallel is not None:
+            for name, stage in stages.items():
+                stage.roles.shard(
+                    parallel, self.trainer.model[name] if name else self.trainer.model
+                )
 
     @property
     def roles(self) -> PolicyRoles:
@@ -244,6 +251,23 @@ class PolicyLearner:
                 )
                 for m in micro
             ]
+
+    def _pad(self, name: str, own: list[MicroBatch]) -> list[MicroBatch]:
+        """Under several processes, the stage's micro-batches padded with ghosts to the most
+        any rank has (the frozen roles' sharded passes are collectives too)."""
+        world = self.trainer.world
+        if not world.distributed:
+            return own
+        most = world.max(len(own))
+        if not own:
+            raise RuntimeError(
+                f"rank {world.rank}: stage {name or 'policy'!r} has no rows to train while "
+                f"another rank has {most} micro-batches; the rollout must leave every rank a row"
+            )
+        last = own[-1]
+        return own + [
+            MicroBatch(last.index + k + 1, last.batch, name, True) for k in range(most - len(own))
+        ]
 
     def check_trace(self, name: str, trace) -> None:
         """Refuse a trace this stage did not sample, or sampled with other weights (unless
@@ -306,7 +330,9 @@ class PolicyLearner:
                 rollout_step=rollout_step,
                 micro_batch_size=self.micro_batch_size,
             )
-            own = [MicroBatch(len(micro) + i, b, name) for i, b in enumerate(batches)]
+            ghost = bool(getattr(rollouts[name], "ghost", False))
+            own = [MicroBatch(len(micro) + i, b, name, ghost) for i, b in enumerate(batches)]
+            own = self._pad(name, own)
             none = [None] * len(own)
             reference = (
                 self._score_frozen(roles, plan, roles.reference, own, settings[name], rollout_step)
@@ -321,7 +347,7 @@ class PolicyLearner:
                 else none
             )
             micro += [
-                MicroBatch(m.index, plan.attach(m.batch, r, o), name)
+                MicroBatch(m.index, plan.attach(m.batch, r, o), name, m.ghost)
                 for m, r, o in zip(own, reference, old)
             ]
         loss_fn = functools.partial(self._live_loss, settings=settings, rollout_step=rollout_step)
@@ -336,7 +362,8 @@ class PolicyLearner:
             metrics.update(result.metrics)
         for name, stage in self.stages.items():
             tag = f"{name}/" if name else ""
-            count = sum(m.part == name for m in micro)
+            count = sum(m.part == name and not m.ghost for m in micro)
+            count = self.trainer.world.sum([count])[0]  # every rank's (one process: its own)
             metrics[f"{tag}learner/micro_batches"] = float(count)
             metrics[f"{tag}weights_version"] = float(stage.roles.sync_rollout())
             metrics.update({f"{tag}{k}": v for k, v in rollouts[name].stats.items()})

@@ -301,11 +301,12 @@ class MetricsLogger:
         self.close()
 
 
-def progress(total: int | None, desc: str) -> tqdm:
+def progress(total: int | None, desc: str, disable: bool = False) -> tqdm:
     """A tqdm bar over ``total`` steps (shows rate and ETA) on stderr.
 
-    Disabled when stderr is not a terminal (no carriage-return redraws in log files) and when
-    the environment variable ``DIFFUSION_RL_NO_PROGRESS`` is ``"1"``.
+    Disabled when ``disable`` is true (the processes other than rank 0), when stderr is not a
+    terminal (no carriage-return redraws in log files) and when the environment variable
+    ``DIFFUSION_RL_NO_PROGRESS`` is ``"1"``.
     """
-    disable = True if os.environ.get("DIFFUSION_RL_NO_PROGRESS") == "1" else None
+    disable = True if disable or os.environ.get("DIFFUSION_RL_NO_PROGRESS") == "1" else None
     return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=disable)

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ..models.lora import LoraReference, has_lora, lora_reference
+from .parallel import Parallel
 
 
 class StaleTraceError(ValueError):
@@ -151,25 +152,61 @@ class PolicyRoles:
         self.version = version
         self._snapshot: nn.Module | None = None
         self.snapshot_version: int | None = None
+        self.parallel: Parallel | None = None
+
+    def shard(self, parallel: Parallel, actor: nn.Module) -> None:
+        """Switch to sharded roles (under several processes; ``actor`` is the trainer's
+        sharded copy of :attr:`actor`): the plain actor becomes the rollout weights (a full
+        replica per rank, synced by gathering), the reference is sharded over its mesh (a
+        LoRA reference: the sharded actor with its adapter off) and the snapshot will be a
+        sharded copy, synced shard by shard."""
+        if self.offload_device is not None:
+            raise ValueError(
+                "offload_device: not used under torchrun; FSDP already shards the frozen "
+                "roles (set distributed.reference_shard), so remove offload_device"
+            )
+        host, self.parallel = self.actor, parallel
+        if isinstance(self.reference, LoraReference):
+            self.reference = lora_reference(actor)
+        elif self.reference is not None:
+            self.reference = _freeze(parallel.shard(self.reference, "reference"))
+        self.actor, self.rollout = actor, host
+
+    def sampling(self) -> contextlib.AbstractContextManager:
+        """The context the rollout weights sample in: sharded roles cast them to FSDP's
+        compute dtype for the block (what the live actor computes with); else nothing."""
+        if self.parallel is None:
+            return contextlib.nullcontext()
+        return self.parallel.sampling(self.rollout)
 
     @property
     def compute_device(self) -> torch.device:
         return next(self.actor.parameters()).device
 
+    def _copy_to_rollout(self) -> None:
+        if self.parallel is None:
+            copy_weights(self.rollout, self.actor)
+        else:  # a collective: every rank gathers the actor's shards
+            self.parallel.gather_into(self.rollout, self.actor)
+
     def sync_rollout(self) -> int:
         """Copy the actor's weights into the rollout model (in memory); returns the new version."""
-        copy_weights(self.rollout, self.actor)
+        self._copy_to_rollout()
         self.version += 1
         return self.version
 
     def restore(self, version: int) -> None:
         """After a resume: the rollout weights are the (restored) actor's, at ``version``."""
-        copy_weights(self.rollout, self.actor)
+        self._copy_to_rollout()
         self.version = version
 
     def take_snapshot(self) -> nn.Module:
         """The old policy for this step: the actor's current weights, frozen."""
-        if self._snapshot is None:
+        if self.parallel is not None:
+            if self._snapshot is None:  # sharded like the actor, so shards copy locally
+                self._snapshot = _freeze(self.parallel.sharded_copy(self.rollout, "actor"))
+            self.parallel.copy_shards(self._snapshot, self.actor)
+        elif self._snapshot is None:
             self._snapshot = frozen_copy(self.actor, self.offload_device)
         else:
             copy_weights(self._snapshot, self.actor)

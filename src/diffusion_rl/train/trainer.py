@@ -47,6 +47,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils import _pytree as pytree
 
 from diffusion_rl.contracts import Extreme, LossOutput, WeightedMetric
+from diffusion_rl.distributed import World
 from diffusion_rl.models.lora import lora_settings
 from diffusion_rl.train.checkpoint import (
     TRAINER_STATE_FILE,
@@ -54,12 +55,19 @@ from diffusion_rl.train.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
     LoadedCheckpoint,
+    StagedState,
+    agree_on_errors,
+    apply_state,
     check_model_compatible,
+    check_sharded_optimizer,
+    collective_world,
     load_weights,
     read_checkpoint,
+    stage_state,
     validate_metadata,
 )
 from diffusion_rl.train.metrics import reduce_metrics, reduce_weighted
+from diffusion_rl.train.parallel import Parallel, full_tensor, is_sharded
 
 __all__ = ["LossFn", "OptimConfig", "StepResult", "Trainer", "lr_factor"]
 
@@ -193,6 +201,14 @@ class Trainer:
       parameters keep their own dtype.
     * ``activation_checkpointing=True`` calls ``model.enable_activation_checkpointing(True)``.
     * The model is moved to ``device``; so are tensors in each micro-batch (pytree leaves).
+    * ``parallel`` (under ``torchrun``; :mod:`diffusion_rl.train.parallel`): the model given
+      stays a plain module, :attr:`host` (what recipes sample, evaluate and save, refreshed by
+      :meth:`publish`), and :attr:`model` is a sharded copy of it (FSDP2; each part sharded
+      on its own) that the optimizer trains. Each rank passes its own rows; the step is that
+      of the whole batch: micro-batch counts are agreed (ghost padding), every ``S_k`` and
+      ``d_k`` of every rank enters one global reduction, gradients are summed across ranks
+      and divided once by the global bound, and skip decisions are global. Without it,
+      :attr:`host` and :attr:`model` are the same module.
     * ``parts`` (``{name: OptimConfig}``): train the submodules ``model[name]`` (e.g. the
       stages of a workflow, ``model`` an ``nn.ModuleDict``) as separate parts, each with its
       own AdamW hyper-parameters, LR schedule and gradient clip (one parameter group per
@@ -215,6 +231,7 @@ class Trainer:
         seed: int = 0,
         device: str | torch.device = "cpu",
         parts: Mapping[str, OptimConfig] | None = None,
+        parallel: Parallel | None = None,
     ) -> None:
         if not isinstance(optim, OptimConfig):
             raise TypeError(f"optim: expected an OptimConfig, got {type(optim).__name__}")
@@ -228,8 +245,25 @@ class Trainer:
                     "enable_activation_checkpointing(enabled) method"
                 )
             enable(True)
+        self.parallel = parallel
+        self.world = parallel.world if parallel is not None else World()
+        if parallel is not None:
+            if precision == "bf16":
+                raise ValueError(
+                    "precision: bf16 autocast and FSDP do not mix; under torchrun set "
+                    "distributed.param_dtype: bf16 (FSDP mixed precision) and precision: fp32"
+                )
+            device = parallel.world.device
         self.device = torch.device(device)
-        self.model = model.to(self.device)
+        self.host = model.to(self.device)
+        _check_parts(model, parts)
+        if parallel is not None:
+            model = (
+                _shard_parts(parallel, model, parts)
+                if parts
+                else parallel.sharded_copy(model, "actor")
+            )
+        self.model = model
         self.loss_fn = loss_fn
         self.optim = optim
         self.precision = precision
@@ -288,7 +322,18 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         try:
-            primaries, aux_items, finite = self._accumulate(micro_batches, loss_fn)
+            ghosts = [bool(getattr(m, "ghost", False)) for m in micro_batches]
+            if self.world.distributed:
+                micro_batches, ghosts = self._agree_on_micro_batches(micro_batches, ghosts)
+            primaries, aux_items, finite = self._accumulate(micro_batches, loss_fn, ghosts)
+            if self.world.distributed:  # every rank reduces the same values, in rank order
+                gathered = self.world.gather_objects((primaries, aux_items, finite))
+                primaries = {}
+                for rank_primaries, _, _ in gathered:
+                    for name, items in rank_primaries.items():
+                        primaries.setdefault(name, []).extend(items)
+                aux_items = [item for _, items, _ in gathered for item in items]
+                finite = all(ok for _, _, ok in gathered)
             losses = {
                 name: reduce_weighted(items, f"loss/{name}" if name else "loss")
                 for name, items in primaries.items()
@@ -348,15 +393,41 @@ class Trainer:
                 metrics[f"lr/{name}"] = lrs[name]
         return StepResult(metrics=metrics, applied=applied)
 
+    def _agree_on_micro_batches(
+        self, micro_batches: Sequence[Any], ghosts: list[bool]
+    ) -> tuple[list[Any], list[bool]]:
+        """Under several processes every rank must run the same passes of each sharded part,
+        in the same order (each forward and backward is a collective): the micro-batches are
+        ordered by part, and each part's are padded to the largest count of any rank with
+        *ghosts* (copies of its last one, whose loss counts ×0: no gradient, no weight, no
+        metric)."""
+        by_part: dict[str, list[tuple[Any, bool]]] = {name: [] for name in self.parts}
+        for index, (micro_batch, ghost) in enumerate(zip(micro_batches, ghosts)):
+            by_part[self._part_of(micro_batch, index)].append((micro_batch, ghost))
+        counts = self.world.gather_objects([len(by_part[name]) for name in self.parts])
+        ordered: list[tuple[Any, bool]] = []
+        for k, name in enumerate(self.parts):
+            own, most = by_part[name], max(rank_counts[k] for rank_counts in counts)
+            if most and not own:
+                raise RuntimeError(
+                    f"rank {self.world.rank}: no micro-batch of part {name or 'model'!r} while "
+                    f"another rank has {most}; give every rank at least one (a ghost) so the "
+                    "sharded passes match"
+                )
+            ordered += own + [(own[-1][0], True)] * (most - len(own))
+        return [m for m, _ in ordered], [g for _, g in ordered]
+
     def _accumulate(
-        self, micro_batches: Sequence[Any], loss_fn: LossFn
+        self, micro_batches: Sequence[Any], loss_fn: LossFn, ghosts: Sequence[bool]
     ) -> tuple[dict[str, list[WeightedMetric]], list[dict[str, Any]], bool]:
-        """Run ``loss_fn`` on every micro-batch and back-propagate each finite ``S_k``;
-        the primaries come back grouped by part (in micro-batch order)."""
+        """Run ``loss_fn`` on every micro-batch and back-propagate each finite ``S_k`` (a
+        ghost's ×0); the primaries of real micro-batches come back grouped by part (in
+        micro-batch order). Under several processes every micro-batch is back-propagated,
+        finite or not (the backward passes are collectives; the global flag skips the step)."""
         primaries: dict[str, list[WeightedMetric]] = {}
         aux_items: list[dict[str, Any]] = []
         finite = True
-        for index, micro_batch in enumerate(micro_batches):
+        for index, (micro_batch, ghost) in enumerate(zip(micro_batches, ghosts)):
             part = self._part_of(micro_batch, index)
             with self._autocast():
                 out = loss_fn(self.model, self._to_device(micro_batch), self.generator)
@@ -376,6 +447,9 @@ class Trainer:
                     f"loss_fn: aux metric names {clash} are reserved by the trainer "
                     f"({', '.join(_RESERVED_METRICS)})"
                 )
+            if ghost:
+                (total * 0.0).backward()
+                continue
             aux_items.append(
                 {
                     key: value.detach()
@@ -387,10 +461,10 @@ class Trainer:
                 }
             )
             primaries.setdefault(part, []).append(out.primary.detach())
-            if finite and bool(torch.isfinite(total.detach())):
+            ok = bool(torch.isfinite(total.detach()))
+            if (finite and ok) or self.world.distributed:
                 total.backward()
-            else:
-                finite = False  # keep running loss_fn: metrics and RNG use stay step-invariant
+            finite = finite and ok  # keep running loss_fn: metrics and RNG use stay step-invariant
         return primaries, aux_items, finite
 
     def _part_of(self, micro_batch: Any, index: int) -> str:
@@ -416,10 +490,22 @@ class Trainer:
         grad_clip = self.parts[part].grad_clip
         if grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        else:
-            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        else:  # a sharded model's norms are DTensors: full_tensor sums the shards'
+            norms = [full_tensor(torch.linalg.vector_norm(g, dtype=torch.float32)) for g in grads]
             norm = torch.linalg.vector_norm(torch.stack(norms))
-        return float(norm)
+        return float(full_tensor(norm))
+
+    def publish(self) -> nn.Module:
+        """The trained weights in the plain :attr:`host` module (returned): under several
+        processes the sharded actor's trainable tensors are gathered into it (a collective:
+        every rank calls it); otherwise the host *is* the trained model."""
+        if self.parallel is not None:
+            if list(self.parts) == [""]:
+                self.parallel.gather_into(self.host, self.model)
+            else:
+                for name in self.parts:
+                    self.parallel.gather_into(self.host[name], self.model[name])
+        return self.host
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The precision context of the live pass; score old/reference policies under it too
@@ -492,7 +578,11 @@ class Trainer:
         metadata: Mapping[str, Any],
         data_state: Mapping[str, Any] | None = None,
     ) -> Path:
-        """Write checkpoint ``global_step`` through ``manager``; returns its directory."""
+        """Write checkpoint ``global_step`` through ``manager``; returns its directory.
+
+        Under a process group a collective: every rank calls it at the same step (a sharded
+        model is written by all of them in the DCP layout; ``data_state``, the trainer state
+        and the metadata written are rank 0's)."""
         return manager.save(
             self.global_step,
             self.model,
@@ -525,6 +615,14 @@ class Trainer:
         * intact but not this run's (:class:`CheckpointMismatchError`: the configuration, the
           model or the optimizer changed): raised at once, no fallback.
 
+        Any layout into any world size (:mod:`~diffusion_rl.train.checkpoint`): a sharded
+        (DCP) checkpoint into a plain model or a sharded one, a one-process checkpoint into a
+        sharded model. With a sharded model every rank calls this together: rank 0 hashes
+        the files (the others check sizes and parse), and every decision (skip, stop,
+        restore) is taken by all ranks alike on the first rank's error
+        (:func:`~diffusion_rl.train.checkpoint.agree_on_errors`); every rank restores rank
+        0's saved counters, scheduler and RNG states.
+
         Afterwards ``self.resumed_from`` is the checkpoint used. Whenever this raises, the
         trainer (and every RNG) is untouched.
         """
@@ -534,23 +632,34 @@ class Trainer:
                 raise FileNotFoundError(f"no checkpoint to resume in {manager_or_path.directory}")
         else:
             candidates = [Path(manager_or_path)]
+        world = collective_world(self.model)
         expected = self.full_metadata(expected_metadata)
         names = self._optimizer_param_names()
         skipped: list[CheckpointCorruptError] = []
+
+        def skip(error: CheckpointCorruptError) -> None:
+            if not isinstance(manager_or_path, CheckpointManager):
+                raise error
+            skipped.append(error)
+            (warn or _warn_skipped)(f"skipping {error}")
+
         for path in candidates:
             try:
-                checkpoint = read_checkpoint(path, names)
-                if checkpoint.trainer_state.get("format") == _STATE_FORMAT:
-                    self._check_trainer_state(checkpoint)
+                checkpoint = agree_on_errors(world, lambda p=path: self._read(p, names, world))
             except CheckpointCorruptError as error:
-                if not isinstance(manager_or_path, CheckpointManager):
-                    raise
-                skipped.append(error)
-                (warn or _warn_skipped)(f"skipping {error}")
+                skip(error)
                 continue
-            saved_dtypes = self._check_fits(checkpoint, expected)
-            self._restore(checkpoint, saved_dtypes)
+            saved_dtypes = agree_on_errors(
+                world, lambda c=checkpoint: self._check_fits(c, expected)
+            )
+            try:
+                staged = self._stage(checkpoint)  # agrees on its own errors
+            except CheckpointCorruptError as error:
+                skip(error)
+                continue
+            self._restore(checkpoint, saved_dtypes, staged)
             self.resumed_from = checkpoint.path
+            self.publish()  # a sharded actor was restored: its host follows
             return dict(checkpoint.trainer_state["data_state"])
         lines = "\n  ".join(
             f"{error.path.name}: {error.file + ': ' if error.file else ''}{error.reason}"
@@ -564,6 +673,22 @@ class Trainer:
             "directory away to start from step 0.",
             problems=skipped,
         )
+
+    def _read(self, path: Path, names: Sequence[str], world: World | None) -> LoadedCheckpoint:
+        """Verify and read candidate ``path`` (only rank 0 of a collective ``world``
+        hashes), with a well-formed trainer state."""
+        checkpoint = read_checkpoint(path, names, hashes=world is None or world.is_main)
+        if checkpoint.trainer_state.get("format") == _STATE_FORMAT:
+            self._check_trainer_state(checkpoint)
+        return checkpoint
+
+    def _stage(self, checkpoint: LoadedCheckpoint) -> StagedState | None:
+        """A fitting checkpoint's tensors read for this model (:func:`stage_state`: a
+        sharded checkpoint, or a sharded model; a collective then), or ``None`` for a
+        one-process checkpoint into a plain model (loaded directly by :meth:`_restore`)."""
+        if not checkpoint.sharded and not is_sharded(self.model):
+            return None
+        return stage_state(checkpoint, self.model, self.optimizer)
 
     def _optimizer_param_names(self) -> list[str]:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -603,7 +728,8 @@ class Trainer:
         self, checkpoint: LoadedCheckpoint, expected: Mapping[str, Any]
     ) -> dict[tuple[int, str], torch.dtype]:
         """Raise :class:`CheckpointMismatchError` unless the checkpoint is this run's (metadata,
-        state format, weights, optimizer layout); return the saved optimizer dtypes."""
+        state format, weights, optimizer layout); return the saved optimizer dtypes,
+        ``{(flat parameter index, key): dtype}``. Either layout, a plain or sharded model."""
         path = checkpoint.path
         validate_metadata(expected, checkpoint.metadata, where=path)
         found = checkpoint.trainer_state.get("format")
@@ -613,15 +739,25 @@ class Trainer:
                 f"{_STATE_FORMAT}"
             )
         check_model_compatible(path, self.model)
+        if checkpoint.sharded:
+            return check_sharded_optimizer(checkpoint, self.model, self.optimizer)
         return self._check_optimizer_state(path, checkpoint.optimizer_state)
 
     def _restore(
-        self, checkpoint: LoadedCheckpoint, saved_dtypes: Mapping[tuple[int, str], torch.dtype]
+        self,
+        checkpoint: LoadedCheckpoint,
+        saved_dtypes: Mapping[tuple[int, str], torch.dtype],
+        staged: StagedState | None = None,
     ) -> None:
-        """Apply a verified, fitting checkpoint (the only step that modifies state)."""
+        """Apply a verified, fitting checkpoint (the only step that modifies state): the
+        ``staged`` tensors (a collective for a sharded model), or a one-process checkpoint
+        read directly into a plain model; then the trainer state, on every rank alike."""
         state = checkpoint.trainer_state
-        load_weights(checkpoint.path, self.model)
-        self.optimizer.load_state_dict(checkpoint.optimizer_state)
+        if staged is None:
+            load_weights(checkpoint.path, self.model)
+            self.optimizer.load_state_dict(checkpoint.optimizer_state)
+        else:
+            apply_state(staged, self.model, self.optimizer)
         self._verify_optimizer_dtypes(saved_dtypes)
         self.scheduler.load_state_dict(state["scheduler"])
         for key in _COUNTERS:
@@ -709,6 +845,14 @@ def _check_parts(
                 f"parts[{name!r}]: expected an OptimConfig, got {type(config).__name__}"
             )
     return dict(parts)
+
+
+def _shard_parts(
+    parallel: Parallel, model: nn.Module, parts: Mapping[str, OptimConfig]
+) -> nn.ModuleDict:
+    """A ``ModuleDict`` of a sharded copy of each part of ``model`` (the stages of a
+    workflow are sharded separately: each runs its own passes)."""
+    return nn.ModuleDict({name: parallel.sharded_copy(model[name], "actor") for name in parts})
 
 
 def _warn_skipped(message: str) -> None:

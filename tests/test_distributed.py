@@ -1,0 +1,219 @@
+"""Scale-out on torch.distributed: two gloo processes on CPU train exactly as one.
+
+One ``torchrun --nproc_per_node 2`` launch (tests/distributed_scripts/scenarios.py) runs each
+scenario — SFT, GRPO (μ = 2, KL, groups cut between ranks), Flow-GRPO, each also with LoRA,
+and GRPO under FSDP mixed precision — for 3 steps on FSDP2-sharded actors and references;
+this process runs the same scenarios alone, with no process group, as the reference:
+
+* the weights after 3 steps agree within 1e-5 (the gradient of the whole batch, summed across
+  ranks and divided once by the global denominator: a regression test of averaged
+  reductions, which gloo has got wrong);
+* before any update the ratio is exactly 1 and the parity 0 on every rank (also with FSDP
+  computing in bf16 from float32 masters: the rollout replica is cast the same way);
+* every rank reports the same metrics (reductions are global).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent / "distributed_scripts"))
+from scenarios import run_scenarios  # noqa: E402
+
+from diffusion_rl.config import FlowSFTRecipeConfig, SFTRecipeConfig  # noqa: E402
+from diffusion_rl.recipes.flow_sft import run_flow_sft  # noqa: E402
+from diffusion_rl.recipes.sft import run_sft  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
+)
+
+SCRIPTS = Path(__file__).parent / "distributed_scripts"
+QUIET = {"echo": lambda _: None}
+TOKEN = {"task": {"name": "arithmetic", "num_digits": 1}}
+RL = {"rewards": [{"name": "digits", "weight": 1.0}], "optim": {"lr": 1e-3}}
+LORA = {"rank": 4}
+
+
+def launch(script: Path, *args: str, nproc: int = 2, timeout: float = 240) -> float:
+    """Run ``script`` under ``torchrun --standalone`` with ``nproc`` gloo processes; returns
+    the wall time. Fails with the processes' output when they fail."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc_per_node={nproc}", str(script), *args]
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return time.perf_counter() - started
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two token models (seeds 0 and 1) and a flow model directory from tiny SFT runs (one
+    process)."""
+    root = tmp_path_factory.mktemp("models")
+    for seed in (0, 1):
+        token = SFTRecipeConfig.model_validate(
+            {
+                **TOKEN,
+                "output_dir": str(root / f"token{seed}"),
+                "seed": seed,
+                "steps": 2,
+                "batch_size": 8,
+                "eval_every": 100,
+                "eval_examples": 8,
+                "model": {"d_model": 32, "n_layers": 2},
+            }
+        )
+        run_sft(token, **QUIET)
+    flow = FlowSFTRecipeConfig.model_validate(
+        {
+            "output_dir": str(root / "flow"),
+            "steps": 2,
+            "batch_size": 8,
+            "eval_every": 100,
+            "eval_samples_per_prompt": 1,
+            "grid_images": 4,
+            "model": {"patch_size": 4, "d_model": 32, "n_layers": 1, "n_heads": 2},
+            "sampler": {"num_steps": 4},
+        }
+    )
+    run_flow_sft(flow, **QUIET)
+    return root / "token0" / "model", root / "token1" / "model", root / "flow" / "model"
+
+
+def scenarios(token_dir: Path, student_dir: Path, flow_dir: Path) -> dict:
+    sft = {**TOKEN, "batch_size": 8, "micro_batch_size": 3, "model": {"d_model": 32, "n_layers": 2}}
+    grpo = {
+        **TOKEN,
+        **RL,
+        "model": {"path": str(token_dir)},
+        "prompts_per_step": 3,  # 6 rows: the second group is cut between the two ranks
+        "group_size": 2,
+        "micro_batch_size": 2,
+        "policy": {"num_iterations": 2, "beta": 0.04},
+    }
+    flow = {
+        **RL,
+        "rewards": [{"name": "geneval", "weight": 1.0}],
+        "model": {"path": str(flow_dir)},
+        "prompts_per_step": 3,
+        "group_size": 2,
+        "sampler": {"num_steps": 4, "micro_batch_size": 2},
+        "policy": {"num_iterations": 2},
+    }
+    lora = lambda config: {**config, "model": {**config["model"], "lora": LORA}}  # noqa: E731
+    sft_lora = {**sft, "model": {"path": str(token_dir), "lora": LORA}}
+    flow_sft = {
+        "batch_size": 6,
+        "micro_batch_size": 2,
+        "model": {"patch_size": 4, "d_model": 32, "n_layers": 1, "n_heads": 2},
+        "sampler": {"num_steps": 4},
+    }
+    distill = {
+        "student": {"path": str(student_dir)},
+        "teacher": {"path": str(token_dir)},
+        "optim": {"lr": 1e-3},
+        "prompts_per_step": 5,
+        "micro_batch_size": 2,
+    }
+    return {
+        "sft": {"recipe": "sft", "config": sft, "steps": 3},
+        "sft_lora": {"recipe": "sft", "config": sft_lora, "steps": 3},
+        "grpo": {"recipe": "grpo", "config": grpo, "steps": 3},
+        "grpo_lora": {"recipe": "grpo", "config": lora(grpo), "steps": 3},
+        "flow_grpo": {"recipe": "flow_grpo", "config": flow, "steps": 3},
+        "flow_grpo_lora": {"recipe": "flow_grpo", "config": lora(flow), "steps": 3},
+        # DAPO: groups kept by the gathered rewards; ranks keep different row counts (ghosts)
+        "dapo": {"recipe": "grpo", "config": {**grpo, "policy": {"algorithm": "dapo"}}, "steps": 3},
+        "flow_sft": {"recipe": "flow_sft", "config": flow_sft, "steps": 3},
+        "distill": {"recipe": "distill", "config": distill, "steps": 3},
+    }
+
+
+MIXED = {  # two processes only: FSDP computing in bf16 (one process has no FSDP to compare)
+    "grpo_lora_bf16": ("grpo_lora", {"param_dtype": "bf16"}),
+    "flow_grpo_bf16": ("flow_grpo", {"param_dtype": "bf16"}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory):
+    """(one process, two processes): the output directories of both runs of every scenario."""
+    spec = scenarios(*models)
+    both = {}
+    for name, (base, distributed) in {**{n: (n, {}) for n in spec}, **MIXED}.items():
+        # parameters stay gathered between the many small forwards of block replay (3x faster)
+        distributed = {**distributed, "reshard_after_forward": False}
+        both[name] = {**spec[base], "config": {**spec[base]["config"], "distributed": distributed}}
+    one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+    run_scenarios(one, spec)
+    (two / "spec.json").write_text(json.dumps(both))
+    seconds = launch(SCRIPTS / "scenarios.py", str(two), str(two / "spec.json"))
+    assert seconds < 90, f"the 2-process launch took {seconds:.0f} s (target: under 60 s)"
+    return one, two
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sft",
+        "sft_lora",
+        "grpo",
+        "grpo_lora",
+        "dapo",
+        "flow_grpo",
+        "flow_grpo_lora",
+        "flow_sft",
+        "distill",
+    ],
+)
+def test_two_processes_train_as_one(runs, name):
+    one, two = runs
+    alone, shared = _weights(one / f"{name}.pt"), _weights(two / f"{name}.pt")
+    assert alone.keys() == shared.keys()
+    gap = max(float((alone[k].float() - shared[k].float()).abs().max()) for k in alone)
+    assert gap <= 1e-5, f"{name}: weights after 3 steps differ by {gap:.2e}"
+    record = json.loads((two / f"{name}.json").read_text())
+    assert record["world_size"] == 2
+    for step in record["steps"]:  # every rank reduced the same global numbers
+        assert step[0] == step[1]
+    alone_steps = json.loads((one / f"{name}.json").read_text())["steps"]
+    for mine, theirs in zip(alone_steps, record["steps"]):
+        assert abs(mine[0]["loss"] - theirs[0]["loss"]) <= 1e-6
+        assert abs(mine[0]["grad_norm"] - theirs[0]["grad_norm"]) <= 1e-4 * mine[0]["grad_norm"]
+    assert max(step[0]["grad_norm"] for step in alone_steps) > 0  # the weights did move
+
+
+RL_SCENARIOS = ["grpo", "grpo_lora", "dapo", "flow_grpo", "flow_grpo_lora", *MIXED]
+
+
+@pytest.mark.parametrize("name", RL_SCENARIOS)
+def test_ratio_is_one_before_any_update_on_every_rank(runs, name):
+    _, two = runs
+    prefix = "flow_grpo" if name.startswith("flow") else "policy"
+    record = json.loads((two / f"{name}.json").read_text())
+    def first_pass(rank: dict, key: str) -> float:  # μ = 1 logs the only pass unsuffixed
+        return rank.get(f"{prefix}/{key}@iter0", rank.get(f"{prefix}/{key}"))
+
+    for step in record["steps"]:
+        for rank in step:
+            assert first_pass(rank, "ratio_min") == first_pass(rank, "ratio_max") == 1.0
+            assert first_pass(rank, "parity_max_abs") == 0.0
+    first = record["steps"][0]
+    assert all(first_pass(rank, "kl") in (0.0, None) for rank in first)  # reference = start
+    assert any(rank["grad_norm"] > 0 for step in record["steps"] for rank in step)
