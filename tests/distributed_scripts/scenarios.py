@@ -2,8 +2,10 @@
 what the tests compare: the trained weights (rank 0 gathers them) and every rank's metrics.
 
 ``python scenarios.py OUT SPEC.json``: SPEC maps a scenario name to ``{"recipe": "sft" | "grpo"
-| "flow_grpo" | "flow_sft" | "distill", "config": {...}, "steps": N}``; for each, ``OUT/NAME.pt`` holds the
-state dict after the steps and ``OUT/NAME.json`` the metrics of each step on each rank.
+| "flow_grpo" | "flow_sft" | "distill", "config": {...}, "steps": N}``; for each, ``OUT/NAME.pt``
+holds the state dict after the steps and ``OUT/NAME.json`` the metrics of each step on each
+rank. A scenario with ``"run": true`` is instead a whole run on the run loop (checkpoints,
+resume, reports) in its config's ``output_dir``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from diffusion_rl.recipes.distill import DistillRecipe
 from diffusion_rl.recipes.flow_grpo import FlowGRPORecipe
 from diffusion_rl.recipes.flow_sft import FlowSFTRecipe
 from diffusion_rl.recipes.grpo import GRPORecipe
-from diffusion_rl.recipes.run import prologue
+from diffusion_rl.recipes.run import prologue, run
 from diffusion_rl.recipes.sft import SFTRecipe
 
 RECIPES = {
@@ -44,8 +46,11 @@ def run_scenarios(out: Path, spec: dict) -> None:
     for name, scenario in spec.items():
         config_class, recipe_class = RECIPES[scenario["recipe"]]
         config = config_class.model_validate(
-            {**scenario["config"], "output_dir": str(out / f"{name}_run")}
+            {"output_dir": str(out / f"{name}_run"), **scenario["config"]}
         )
+        if scenario.get("run"):
+            run(config, recipe_class, echo=lambda _: None)
+            continue
         started = time.perf_counter()
         prologue(config)
         recipe = recipe_class(config)

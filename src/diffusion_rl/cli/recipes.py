@@ -136,7 +136,10 @@ def cmd_recipe(args) -> int:
             except OSError:
                 break
         raise
-    print(f"{summary(results)}; results in {Path(config.output_dir) / 'results.json'}")
+    from ..distributed import World
+
+    if World.current().is_main:  # under torchrun, rank 0 speaks for the run
+        print(f"{summary(results)}; results in {Path(config.output_dir) / 'results.json'}")
     return 0
 
 
