@@ -248,3 +248,21 @@ def test_a_run_resumes_at_another_world_size(runs, run):
     logged = [json.loads(line) for line in (two / run / "metrics.jsonl").read_text().splitlines()]
     trained = [record["step"] for record in logged if "loss" in record]
     assert trained == [1, 2, 3]  # each step logged once, by rank 0, across the two legs
+
+
+def test_a_sharded_checkpoint_serves_as_its_whole_weights(runs):
+    """The serving engine reads a checkpoint written by 2 processes (DCP shards) as whole
+    tensors: those of the same step written by 1 process (the plain layout)."""
+    from diffusion_rl.serving.engine import checkpoint_tensors, is_training_checkpoint
+
+    _, two = runs
+    sharded = sorted((two / "r21" / "checkpoints").glob("step_*"))[0]  # by 2 processes
+    plain = sorted((two / "r12" / "checkpoints").glob("step_*"))[0]  # by 1 process
+    assert (sharded / "dcp").is_dir() and not (plain / "dcp").exists()
+    assert sharded.name == plain.name and is_training_checkpoint(sharded)
+    whole, reference = checkpoint_tensors(sharded), checkpoint_tensors(plain)
+    assert reference.keys() <= whole.keys()
+    for extra in whole.keys() - reference.keys():  # a tied weight, stored once in the plain
+        assert any(torch.equal(whole[extra], whole[k]) for k in reference), extra
+    gap = max(float((whole[k] - reference[k]).abs().max()) for k in reference)
+    assert gap <= 1e-5

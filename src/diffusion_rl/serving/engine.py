@@ -93,29 +93,28 @@ def model_tensors(kind: str, model: Any) -> dict[str, torch.Tensor]:
 
 def is_training_checkpoint(directory: str | Path) -> bool:
     """Whether ``directory`` is a trainer checkpoint (``OUTPUT_DIR/checkpoints/step_N``: a
-    manifest and ``model.safetensors``, no ``config.json``) rather than a model directory."""
-    from ..train.checkpoint import MANIFEST_FILE, MODEL_FILE
+    manifest and ``model.safetensors``, or the ``dcp/`` shards of a run under torchrun, and
+    no ``config.json``) rather than a model directory."""
+    from ..train.checkpoint import DCP_DIR, MANIFEST_FILE, MODEL_FILE
 
     path = Path(directory)
     return (
         (path / MANIFEST_FILE).is_file()
-        and (path / MODEL_FILE).is_file()
+        and ((path / MODEL_FILE).is_file() or (path / DCP_DIR).is_dir())
         and not (path / "config.json").exists()
     )
 
 
 def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The weights of trainer checkpoint ``directory``, after verifying every file against
-    its manifest (sizes and SHA-256); a corrupt checkpoint is a 400 naming the file."""
-    import safetensors.torch
-
-    from ..train.checkpoint import MODEL_FILE, CheckpointCorruptError, verify_files
+    """The weights of trainer checkpoint ``directory`` (either layout; a sharded one is
+    assembled whole), after verifying every file against its manifest (sizes and SHA-256);
+    a corrupt checkpoint is a 400 naming the file."""
+    from ..train.checkpoint import CheckpointCorruptError, load_model_tensors
 
     try:
-        verify_files(directory)
+        return load_model_tensors(directory)
     except CheckpointCorruptError as error:
         raise RequestError(400, f"directory: {error}", param="directory") from None
-    return safetensors.torch.load_file(str(Path(directory) / MODEL_FILE))
 
 
 # ----------------------------------------------------------------------------- metrics
