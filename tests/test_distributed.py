@@ -28,14 +28,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed_scripts"))
 from scenarios import run_scenarios  # noqa: E402
+from serve_live import LiveServer  # noqa: E402
 
 from diffusion_rl.config import FlowSFTRecipeConfig, SFTRecipeConfig  # noqa: E402
-from diffusion_rl.models.io import load_model  # noqa: E402
+from diffusion_rl.models import FlowDiT, FlowDiTConfig, VideoDiT, VideoDiTConfig  # noqa: E402
+from diffusion_rl.models.io import load_model, save_model  # noqa: E402
 from diffusion_rl.recipes.flow_sft import run_flow_sft  # noqa: E402
 from diffusion_rl.recipes.sft import run_sft  # noqa: E402
+from diffusion_rl.tasks.geneval import VOCABULARY  # noqa: E402
+from diffusion_rl.tasks.motion import MOTION_VOCABULARY, MotionTask  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
@@ -96,6 +101,33 @@ def models(tmp_path_factory):
     return root / "token0" / "model", root / "token1" / "model", root / "flow" / "model"
 
 
+@pytest.fixture(scope="module")
+def workflow_file(tmp_path_factory) -> Path:
+    """A text → image → video workflow of two tiny untrained stage models."""
+    root = tmp_path_factory.mktemp("workflow")
+    torch.manual_seed(0)
+    tiny = {"patch_size": 4, "d_model": 32, "n_layers": 1, "n_heads": 2}
+    task = MotionTask()
+    image = FlowDiT(FlowDiTConfig(image_size=16, vocabulary=VOCABULARY, **tiny))
+    video = VideoDiT(
+        VideoDiTConfig(image_size=16, num_frames=4, vocabulary=MOTION_VOCABULARY, **tiny)
+    )
+    save_model(root / "image", image, {"task": task.image_task().info()})
+    save_model(root / "video", video, {"task": task.info()})
+    sampler = {"num_steps": 3, "shift": 1.0, "guidance_scale": 1.0, "mode": "sde"}
+    stage = {"sampler": sampler}
+    spec = {
+        "name": "t2i2v",
+        "task": task.info(),
+        "stages": [
+            {**stage, "name": "image", "model": str(root / "image"), "prompt": "image_prompt"},
+            {**stage, "name": "video", "model": str(root / "video"), "input": "image"},
+        ],
+    }
+    (root / "workflow.yaml").write_text(yaml.safe_dump(spec))
+    return root / "workflow.yaml"
+
+
 def scenarios(token_dir: Path, student_dir: Path, flow_dir: Path) -> dict:
     sft = {**TOKEN, "batch_size": 8, "micro_batch_size": 3, "model": {"d_model": 32, "n_layers": 2}}
     grpo = {
@@ -152,7 +184,7 @@ MIXED = {  # two processes only: FSDP computing in bf16 (one process has no FSDP
 
 
 @pytest.fixture(scope="module")
-def runs(models, tmp_path_factory):
+def runs(models, workflow_file, tmp_path_factory):
     """(one process, two processes): the output directories of both runs of every scenario."""
     spec = scenarios(*models)
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
@@ -165,6 +197,28 @@ def runs(models, tmp_path_factory):
         return {"recipe": "grpo", "run": True, "config": config}
 
     run_scenarios(one, {"straight": whole(one / "straight", 3), "r12": whole(two / "r12", 2)})
+    # whole runs of distillation and workflow RL (rank 0 evaluates and saves)
+    wf = {
+        "workflow": str(workflow_file),
+        "steps": 2,
+        "eval_every": 100,
+        "checkpoint_every": 1,
+        "prompts_per_step": 3,
+        "group_size": 2,
+        "eval_samples_per_prompt": 1,
+        "preview_clips": 2,
+        "policy": {"beta": 0.01, "clip_range": 0.2},
+        "stages": {"image": {"optim": {"lr": 3e-3}}, "video": {"optim": {"lr": 1e-3}}},
+    }
+    distill = {**spec["distill"]["config"], "steps": 2, "eval_every": 100, "eval_examples": 8}
+    for name, recipe, config in (("wf", "workflow_rl", wf), ("dist", "distill", distill)):
+        for where, out in ((f"{name}_one", one), (f"{name}_two", two)):
+            spec[where] = {
+                "recipe": recipe,
+                "run": True,
+                "config": {**config, "output_dir": str(out / where)},
+            }  # noqa: E501
+    run_scenarios(one, {"wf_one": spec.pop("wf_one"), "dist_one": spec.pop("dist_one")})
     spec["r21"] = whole(two / "r21", 2)  # started by 2 processes
     spec["r12"] = whole(two / "r12", 3)  # finished by 2 processes
     both = {}
@@ -173,8 +227,18 @@ def runs(models, tmp_path_factory):
         distributed = {**distributed, "reshard_after_forward": False}
         both[name] = {**spec[base], "config": {**spec[base]["config"], "distributed": distributed}}
     run_scenarios(one, {k: v for k, v in spec.items() if not v.get("run")})
+    # GRPO sampled by a server: rank 0 pushes each version, both ranks sample their rows there
+    server = LiveServer({"tiny": models[0]}, allow_tensor_updates=True)
+    rollout = {"engine": "server", "url": server.url, "model": "tiny"}
+    both["grpo_server"] = {
+        **both["grpo"],
+        "config": {**both["grpo"]["config"], "rollout": rollout},
+    }
     (two / "spec.json").write_text(json.dumps(both))
-    seconds = launch(SCRIPTS / "scenarios.py", str(two), str(two / "spec.json"))
+    try:
+        seconds = launch(SCRIPTS / "scenarios.py", str(two), str(two / "spec.json"))
+    finally:
+        server.stop()
     run_scenarios(one, {"r21": whole(two / "r21", 3)})  # finished by 1 process
     assert seconds < 90, f"the 2-process launch took {seconds:.0f} s (target: under 60 s)"
     return one, two
@@ -236,6 +300,19 @@ def test_ratio_is_one_before_any_update_on_every_rank(runs, name):
     assert any(rank["grad_norm"] > 0 for step in record["steps"] for rank in step)
 
 
+def test_two_processes_sampling_on_a_server_train_as_one_in_process(runs):
+    one, two = runs
+    alone, served = _weights(one / "grpo.pt"), _weights(two / "grpo_server.pt")
+    gap = max(float((alone[k] - served[k]).abs().max()) for k in alone)
+    assert gap <= 1e-5, f"weights after 3 steps differ by {gap:.2e}"
+    record = json.loads((two / "grpo_server.json").read_text())
+    assert all(
+        r["policy/ratio_min@iter0"] == r["policy/ratio_max@iter0"] == 1.0
+        for step in record["steps"]
+        for r in step
+    )
+
+
 @pytest.mark.parametrize("run", ["r21", "r12"])
 def test_a_run_resumes_at_another_world_size(runs, run):
     one, two = runs
@@ -266,3 +343,20 @@ def test_a_sharded_checkpoint_serves_as_its_whole_weights(runs):
         assert any(torch.equal(whole[extra], whole[k]) for k in reference), extra
     gap = max(float((whole[k] - reference[k]).abs().max()) for k in reference)
     assert gap <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["wf", "dist"])
+def test_whole_workflow_and_distillation_runs_under_torchrun(runs, name):
+    """Workflow RL (both stages trained from the final reward) and distillation as whole runs
+    of 2 processes: rank 0 evaluates (the distillation teacher stays a plain model) and saves
+    the final models, which are those of the one-process run."""
+    one, two = runs
+    alone = json.loads((one / f"{name}_one" / "results.json").read_text())
+    shared = json.loads((two / f"{name}_two" / "results.json").read_text())
+    assert alone["steps"] == shared["steps"] == 2
+    models = ["image", "video"] if name == "wf" else [""]
+    for stage in models:
+        a = load_model(one / f"{name}_one" / "model" / stage).model.state_dict()
+        b = load_model(two / f"{name}_two" / "model" / stage).model.state_dict()
+        gap = max(float((a[k] - b[k]).abs().max()) for k in a)
+        assert gap <= 1e-5, f"{name} {stage}: final weights differ by {gap:.2e}"

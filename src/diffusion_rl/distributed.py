@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -139,10 +140,10 @@ class World:
                 dist.barrier()
 
 
-def init_world(device: str = "cpu", backend: str = "auto") -> World:
+def init_world(device: str = "cpu", backend: str = "auto", timeout_s: float = 3600.0) -> World:
     """Join the process group a launcher set up (idempotent); one process without a launcher
     gets ``World()``. ``backend``: ``auto`` (NCCL for a CUDA ``device``, else gloo), ``gloo``
-    or ``nccl``."""
+    or ``nccl``; ``timeout_s``: how long a collective waits for the other ranks."""
     if dist.is_available() and dist.is_initialized():
         return World.current()
     if not launched():
@@ -155,7 +156,7 @@ def init_world(device: str = "cpu", backend: str = "auto") -> World:
                 "distributed.backend: nccl needs CUDA GPUs, and none is visible; use gloo on CPU"
             )
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return World.current()
 
 

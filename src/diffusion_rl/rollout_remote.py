@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .checksums import combine_digests, tensor_digest, weights_checksum
+from .distributed import World
 from .rollout import FlowSource, TokenSource
 from .sampling.flow import model_device
 from .trace import FlowTrace, TokenTrace
@@ -113,7 +114,7 @@ class RolloutClient:
             base_url=self.url, headers=headers, timeout=timeout, transport=transport
         )
         self._model = model
-        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.max_retries, self.backoff_s, self.timeout_s = max_retries, backoff_s, timeout_s
         self.offset: int | None = None  # server version - learner version (fixed at first sync)
         self._synced: tuple[int, int] | None = None  # (learner version, server version)
         self._frozen_digests: dict[str, bytes] | None = None  # tensors never pushed
@@ -218,9 +219,13 @@ class RolloutClient:
         digests.update({k: tensor_digest(k, state[k]) for k in keys})
         return combine_digests(digests)
 
-    def sync(self, model: torch.nn.Module, version: int, keys: Sequence[str] | None) -> int:
+    def sync(
+        self, model: torch.nn.Module, version: int, keys: Sequence[str] | None, *, push=True
+    ) -> int:
         """Make the server hold ``model``'s weights as learner version ``version``; returns
-        the server version that maps to it (module docstring, step 1)."""
+        the server version that maps to it (module docstring, step 1). ``push=False`` (the
+        ranks after 0 of a distributed run, whose rollout weights equal rank 0's) pushes
+        nothing: it waits, up to ``timeout_s``, until the server holds these weights."""
         if self._synced is not None and self._synced[0] == version:
             return self._synced[1]
         state = model.state_dict()
@@ -228,6 +233,12 @@ class RolloutClient:
         if missing:
             raise ValueError(f"keys: {missing[:3]} are not in the rollout model's state_dict")
         local = self._checksum(state, keys)
+        if not push:
+            expected = None if self.offset is None else version + self.offset
+            served = self._wait_for(local, version, expected)
+            self.offset = served - version
+            self._synced = (version, served)
+            return served
         if self.offset is None:
             served, checksum = self.card()
             if checksum != local:  # the server holds other weights: push, then fix the map
@@ -252,6 +263,22 @@ class RolloutClient:
             )
         self._synced = (version, served)
         return served
+
+    def _wait_for(self, checksum: str, version: int, expected: int | None) -> int:
+        """The server version once the server holds weights hashing to ``checksum`` as
+        version ``expected`` (None: any version; the first sync), pushed by another process;
+        polled for up to ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            served, held = self.card()
+            if held == checksum and expected in (None, served):
+                return served
+            if time.monotonic() > deadline:
+                raise RolloutServerError(
+                    f"weights_checksum: waited {self.timeout_s:g} s for rank 0 to push learner "
+                    f"v{version} (hash {checksum}); the server holds {held} (v{served})"
+                )
+            time.sleep(0.02)
 
     # -------------------------------------------------------------- rollouts
     def generate(self, body: Mapping[str, Any]) -> RolloutBody:
@@ -313,11 +340,17 @@ def _autocast(device: torch.device) -> str | None:
 
 # --------------------------------------------------------------------------------- sources
 class _ServerSource:
-    """What both server sources share: the wrapped local source and the client."""
+    """What both server sources share: the wrapped local source and the client. Under
+    several processes, rank 0 pushes each version and the other ranks wait for it (no
+    collective inside a rollout: a rank may sample no rows in a refill round)."""
 
     def __init__(self, source, client: RolloutClient, keys: Sequence[str] | None = None):
         self.source, self.client = source, client
         self.keys = None if keys is None else list(keys)
+
+    def _sync(self, model, weights_version: int) -> int:
+        push = World.current().is_main
+        return self.client.sync(model, weights_version, self.keys, push=push)
 
     @property
     def task(self):
@@ -342,8 +375,11 @@ class ServerTokenSource(_ServerSource):
             raise TypeError(f"source: expected a TokenSource, got {type(source).__name__}")
         super().__init__(source, client, keys)
 
-    def sample(self, model, examples, seeds, weights_version: int) -> tuple[TokenTrace, list[str]]:
-        served = self.client.sync(model, weights_version, self.keys)
+    def sample(
+        self, model, examples, seeds, weights_version: int, group_seeds=None
+    ) -> tuple[TokenTrace, list[str]]:
+        """``group_seeds`` is ignored (tokens draw per row)."""
+        served = self._sync(model, weights_version)
         data = self.task.encode(examples)
         device = model_device(model)
         body = {
@@ -381,15 +417,23 @@ class ServerFlowSource(_ServerSource):
         return self.source.group_size
 
     def sample(
-        self, model, examples, seeds, weights_version: int
+        self, model, examples, seeds, weights_version: int, group_seeds=None
     ) -> tuple[FlowTrace, torch.Tensor]:
-        served = self.client.sync(model, weights_version, self.keys)
+        """``group_seeds`` (rows of a distributed run, whose groups may be cut between
+        ranks): the server is sent no group size, which only shared start noise needs."""
+        if group_seeds is not None and self.sampler.share_group_noise:
+            raise RolloutServerError(
+                "sampler.share_group_noise: a group cut between processes cannot share its "
+                "start noise on the server; set share_group_noise: false, or rollout.engine: "
+                "in_process, under torchrun"
+            )
+        served = self._sync(model, weights_version)
         device = model_device(model)
         body = {
             "prompt": [e.prompt for e in examples],
             "seeds": [int(s) for s in seeds],
             "sampler": self.sampler.model_dump(mode="json"),
-            "group_size": self.group_size,
+            "group_size": self.group_size if group_seeds is None else None,
             "autocast": _autocast(device),
             "weights_version": served,
         }

@@ -2,7 +2,7 @@
 what the tests compare: the trained weights (rank 0 gathers them) and every rank's metrics.
 
 ``python scenarios.py OUT SPEC.json``: SPEC maps a scenario name to ``{"recipe": "sft" | "grpo"
-| "flow_grpo" | "flow_sft" | "distill", "config": {...}, "steps": N}``; for each, ``OUT/NAME.pt``
+| "flow_grpo" | "flow_sft" | "distill" | "workflow_rl", "config": {...}, "steps": N}``; for each, ``OUT/NAME.pt``
 holds the state dict after the steps and ``OUT/NAME.json`` the metrics of each step on each
 rank. A scenario with ``"run": true`` is instead a whole run on the run loop (checkpoints,
 resume, reports) in its config's ``output_dir``.
@@ -23,6 +23,7 @@ from diffusion_rl.config import (
     FlowSFTRecipeConfig,
     GRPORecipeConfig,
     SFTRecipeConfig,
+    WorkflowRLRecipeConfig,
 )
 from diffusion_rl.distributed import World, init_world
 from diffusion_rl.recipes.distill import DistillRecipe
@@ -31,6 +32,7 @@ from diffusion_rl.recipes.flow_sft import FlowSFTRecipe
 from diffusion_rl.recipes.grpo import GRPORecipe
 from diffusion_rl.recipes.run import prologue, run
 from diffusion_rl.recipes.sft import SFTRecipe
+from diffusion_rl.recipes.workflow_rl import WorkflowRLRecipe
 
 RECIPES = {
     "sft": (SFTRecipeConfig, SFTRecipe),
@@ -38,6 +40,7 @@ RECIPES = {
     "flow_sft": (FlowSFTRecipeConfig, FlowSFTRecipe),
     "flow_grpo": (FlowGRPORecipeConfig, FlowGRPORecipe),
     "distill": (DistillRecipeConfig, DistillRecipe),
+    "workflow_rl": (WorkflowRLRecipeConfig, WorkflowRLRecipe),
 }
 
 

@@ -136,10 +136,11 @@ def cmd_recipe(args) -> int:
             except OSError:
                 break
         raise
-    from ..distributed import World
+    from ..distributed import World, close_world
 
     if World.current().is_main:  # under torchrun, rank 0 speaks for the run
         print(f"{summary(results)}; results in {Path(config.output_dir) / 'results.json'}")
+    close_world()
     return 0
 
 

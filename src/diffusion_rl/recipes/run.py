@@ -415,7 +415,7 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
     takes its share of every step, all take part in checkpoints and weight gathers, and rank 0
     alone prints, logs, evaluates and writes the reports; every rank returns the results.
     """
-    world = init_world(config.device, config.distributed.backend)
+    world = init_world(config.device, config.distributed.backend, config.distributed.timeout_s)
     if not world.is_main:
         echo = _silent
     out = prologue(config)

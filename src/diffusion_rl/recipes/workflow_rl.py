@@ -265,8 +265,8 @@ class WorkflowRLRecipe(Recipe):
         directory.mkdir(parents=True, exist_ok=True)
         stages = []
         for stage in self.spec.stages:
-            model = (
-                self.roles[stage.name].actor
+            model = (  # a trained stage: its plain trained weights (published under torchrun)
+                self.trainer.host[stage.name]
                 if stage.name in self.roles
                 else self.models[stage.name]
             )

@@ -9,8 +9,9 @@ and saves.
   FSDP group (``null``: all of them, pure FSDP; ``1``: every process holds a full copy and
   gradients are all-reduced, as DDP does; in between: HSDP). The optimizer is built on the
   sharded parameters.
-* **reference** / **old-policy snapshot** — frozen copies sharded the same way, over their
-  own mesh (``reference_shard``), scored on the same micro-batches as the live actor.
+* **reference** — a frozen copy sharded over its own mesh (``reference_shard``);
+  **old-policy snapshot** — a frozen copy sharded like the actor (so its shards copy
+  locally); both scored on the same micro-batches as the live actor.
 * **rollout** — a plain full replica per process (the *host*, the module the recipe built),
   synced from the sharded actor by gathering its trainable tensors; it samples, evaluates and
   is saved, with no collective inside a generation (so rank 0 can evaluate alone).
@@ -59,11 +60,13 @@ class ParallelConfig(BaseModel):
     under ``torchrun``; one process ignores it).
 
     ``shard``: processes per FSDP group of the actor (null: all; must divide the world size);
-    ``reference_shard``: the same for the reference and snapshot (null: as the actor);
+    ``reference_shard``: the same for the reference (null: as the actor);
     ``param_dtype``: FSDP's compute dtype (null: the parameters' own; ``bf16``: mixed
     precision with float32 masters); ``reduce_dtype``: the dtype gradients are summed in;
     ``reshard_after_forward``: free gathered parameters after each forward (less memory, one
-    more gather in backward); ``backend``: ``auto`` (NCCL on CUDA, gloo on CPU).
+    more gather in backward); ``backend``: ``auto`` (NCCL on CUDA, gloo on CPU);
+    ``timeout_s``: how long a collective may wait for the other ranks (they wait while rank 0
+    evaluates or writes the final model).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -74,6 +77,7 @@ class ParallelConfig(BaseModel):
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     reshard_after_forward: bool = True
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = Field(3600.0, gt=0, allow_inf_nan=False)
 
 
 def is_sharded(module: nn.Module) -> bool:

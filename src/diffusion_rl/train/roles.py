@@ -157,9 +157,10 @@ class PolicyRoles:
     def shard(self, parallel: Parallel, actor: nn.Module) -> None:
         """Switch to sharded roles (under several processes; ``actor`` is the trainer's
         sharded copy of :attr:`actor`): the plain actor becomes the rollout weights (a full
-        replica per rank, synced by gathering), the reference is sharded over its mesh (a
-        LoRA reference: the sharded actor with its adapter off) and the snapshot will be a
-        sharded copy, synced shard by shard."""
+        replica per rank, synced by gathering), the reference is a sharded copy over its
+        mesh (a given model, e.g. a distillation teacher, stays plain for rank 0's
+        evaluations; a LoRA reference is the sharded actor with its adapter off) and the
+        snapshot will be a sharded copy on the actor's mesh, synced shard by shard."""
         if self.offload_device is not None:
             raise ValueError(
                 "offload_device: not used under torchrun; FSDP already shards the frozen "
@@ -168,8 +169,8 @@ class PolicyRoles:
         host, self.parallel = self.actor, parallel
         if isinstance(self.reference, LoraReference):
             self.reference = lora_reference(actor)
-        elif self.reference is not None:
-            self.reference = _freeze(parallel.shard(self.reference, "reference"))
+        elif self.reference is not None:  # a copy: a given model (a teacher) stays plain
+            self.reference = _freeze(parallel.sharded_copy(self.reference, "reference"))
         self.actor, self.rollout = actor, host
 
     def sampling(self) -> contextlib.AbstractContextManager:
