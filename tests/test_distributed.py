@@ -181,6 +181,10 @@ MIXED = {  # two processes only: FSDP computing in bf16 (one process has no FSDP
     "grpo_lora_bf16": ("grpo_lora", {"param_dtype": "bf16"}),
     "flow_grpo_bf16": ("flow_grpo", {"param_dtype": "bf16"}),
 }
+MESHES = {  # other meshes, compared with the one-process run of their base scenario
+    "sft_replicated": ("sft", {"shard": 1}),  # full replicas, gradients summed
+    "grpo_reference_replicated": ("grpo", {"reference_shard": 1}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +226,7 @@ def runs(models, workflow_file, tmp_path_factory):
     spec["r21"] = whole(two / "r21", 2)  # started by 2 processes
     spec["r12"] = whole(two / "r12", 3)  # finished by 2 processes
     both = {}
-    for name, (base, distributed) in {**{n: (n, {}) for n in spec}, **MIXED}.items():
+    for name, (base, distributed) in {**{n: (n, {}) for n in spec}, **MIXED, **MESHES}.items():
         # parameters stay gathered between the many small forwards of block replay (3x faster)
         distributed = {**distributed, "reshard_after_forward": False}
         both[name] = {**spec[base], "config": {**spec[base]["config"], "distributed": distributed}}
@@ -260,11 +264,13 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
         "flow_grpo_lora",
         "flow_sft",
         "distill",
+        *MESHES,
     ],
 )
 def test_two_processes_train_as_one(runs, name):
     one, two = runs
-    alone, shared = _weights(one / f"{name}.pt"), _weights(two / f"{name}.pt")
+    base = MESHES.get(name, (name,))[0]
+    alone, shared = _weights(one / f"{base}.pt"), _weights(two / f"{name}.pt")
     assert alone.keys() == shared.keys()
     gap = max(float((alone[k].float() - shared[k].float()).abs().max()) for k in alone)
     assert gap <= 1e-5, f"{name}: weights after 3 steps differ by {gap:.2e}"
@@ -272,7 +278,7 @@ def test_two_processes_train_as_one(runs, name):
     assert record["world_size"] == 2
     for step in record["steps"]:  # every rank reduced the same global numbers
         assert step[0] == step[1]
-    alone_steps = json.loads((one / f"{name}.json").read_text())["steps"]
+    alone_steps = json.loads((one / f"{base}.json").read_text())["steps"]
     for mine, theirs in zip(alone_steps, record["steps"]):
         assert abs(mine[0]["loss"] - theirs[0]["loss"]) <= 1e-6
         assert abs(mine[0]["grad_norm"] - theirs[0]["grad_norm"]) <= 1e-4 * mine[0]["grad_norm"]
