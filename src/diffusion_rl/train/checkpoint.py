@@ -1485,16 +1485,25 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.clean_staging()
         tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-        try:
+
+        def write() -> None:
             tmp.mkdir()
             self._write_contents(tmp, step, trainer_state, metadata_text, model, optimizer)
+
+        self._seal(tmp, final, write)
+        return final
+
+    def _seal(self, tmp: Path, final: Path, write: Callable[[], None]) -> None:
+        """``write()`` the staging directory ``tmp``, then install it as ``final``; when the
+        write fails, ``tmp`` is removed (a full disk raised as CheckpointDiskFullError)."""
+        try:
+            write()
         except BaseException as error:
             shutil.rmtree(tmp, ignore_errors=True)
             if _is_disk_full(error):
                 raise self._disk_full(error, final, written=False) from error
             raise
         self._install(tmp, final)
-        return final
 
     def _save_collective(
         self,
@@ -1542,21 +1551,14 @@ class CheckpointManager:
                     raise self._disk_full(error, final, written=False) from error
                 raise
 
-        def finish() -> None:
-            try:
-                if sharded:
-                    _fsync_dir(tmp / DCP_DIR)
-                    self._write_contents(tmp, step, trainer_state, metadata_text, groups=groups)
-                else:
-                    self._write_contents(tmp, step, trainer_state, metadata_text, model, optimizer)
-            except BaseException as error:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if _is_disk_full(error):
-                    raise self._disk_full(error, final, written=False) from error
-                raise
-            self._install(tmp, final)
+        def write() -> None:
+            if sharded:
+                _fsync_dir(tmp / DCP_DIR)
+                self._write_contents(tmp, step, trainer_state, metadata_text, groups=groups)
+            else:
+                self._write_contents(tmp, step, trainer_state, metadata_text, model, optimizer)
 
-        self._on_rank0(world, final, finish)
+        self._on_rank0(world, final, lambda: self._seal(tmp, final, write))
         return final
 
     def _on_rank0(self, world: World, final: Path, action: Callable[[], _T]) -> _T:
