@@ -80,10 +80,6 @@ class World:
         rows = self.shard(n)
         return slice(rows.start, rows.stop)
 
-    def shards(self, n: int) -> list[range]:
-        """Every rank's rows of ``n``, in rank order."""
-        return [World(r, self.size).shard(n) for r in range(self.size)]
-
     # ------------------------------------------------------------------------ collectives
     def gather_objects(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (picklable), in rank order."""

@@ -31,7 +31,7 @@ from ..tasks import TokenizerMismatchError, get_task
 from ..tasks.datasets import PromptFileTask
 from ..tasks.geneval import GenEvalTask
 from ..tasks.motion import MotionTask
-from ..train.parallel import full_tensor, run_parallel
+from ..train.parallel import run_parallel
 from ..train.trainer import LossFn, Trainer
 
 # The flow recipes' model: built-in or a diffusers pipeline (recipes/flow_models.py).
@@ -71,13 +71,11 @@ def trainer_factory(config: Any) -> Callable[[nn.Module, LossFn | None], Trainer
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """A short content hash of a model's weights (identifies a frozen model in checkpoints;
-    a sharded model's tensors are gathered, a collective every rank takes part in)."""
+    """A short content hash of a model's weights (identifies a frozen model in checkpoints)."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
-        tensor = full_tensor(tensor.detach())  # a sharded model (teacher): gathered whole
         digest.update(name.encode())
-        digest.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 

@@ -256,7 +256,7 @@ class Trainer:
             device = parallel.world.device
         self.device = torch.device(device)
         self.host = model.to(self.device)
-        _check_parts(model, parts)
+        checked_parts = _check_parts(model, parts)
         if parallel is not None:
             model = (
                 _shard_parts(parallel, model, parts)
@@ -271,7 +271,7 @@ class Trainer:
         self.seed = seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
 
-        self.parts: dict[str, OptimConfig] = _check_parts(model, parts) or {"": optim}
+        self.parts: dict[str, OptimConfig] = checked_parts or {"": optim}
         self._part_params = {
             name: [p for p in (model[name] if name else model).parameters() if p.requires_grad]
             for name in self.parts
