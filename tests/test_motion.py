@@ -239,7 +239,8 @@ def test_each_wrong_clip_fails_exactly_its_attributes(direction):
         assert judge(TASK.render_clip(slow, seed)) == wrong("speed")
         assert judge(clip, slow) == wrong("speed")
         frozen = clip[:1].repeat(4, 1, 1, 1)
-        assert judge(frozen) == judge(frozen, slow) == wrong("direction", "speed")
+        # a still clip is not smooth motion (the reward cannot be earned by freezing)
+        assert judge(frozen) == judge(frozen, slow) == wrong("direction", "speed", "smooth")
         gap = clip.clone()
         gap[2] = 0.0
         assert judge(gap) == wrong("color", "smooth")
@@ -321,20 +322,20 @@ def test_rewards_and_accuracy_by_hand():
             TASK.render_clip(prompt, 0),  # all right
             TASK.render_clip("a yellow square moving right fast", 0),  # colour wrong
             TASK.render_clip("a green square moving left slowly", 0),  # direction + speed wrong
-            TASK.render_clip(prompt, 0)[:1].repeat(4, 1, 1, 1),  # frozen: direction + speed
+            TASK.render_clip(prompt, 0)[:1].repeat(4, 1, 1, 1),  # frozen: direction, speed, smooth
         ]
     )
     examples = [prompt] * 4
-    torch.testing.assert_close(TASK.rewards(clips, examples), torch.tensor([1, 0.8, 0.6, 0.6]))
+    torch.testing.assert_close(TASK.rewards(clips, examples), torch.tensor([1, 0.8, 0.6, 0.4]))
     assert TASK.rewards(clips, examples, mode="all").tolist() == [1.0, 0.0, 0.0, 0.0]
     color_smooth = TASK.rewards(clips, examples, attributes=["smooth", "color"])
-    assert color_smooth.tolist() == [1.0, 0.5, 1.0, 1.0]
+    assert color_smooth.tolist() == [1.0, 0.5, 1.0, 0.5]
     assert TASK.accuracy(clips, examples) == {
         "color": 0.75,
         "shape": 1.0,
         "direction": 0.5,
         "speed": 0.5,
-        "smooth": 1.0,
+        "smooth": 0.75,
         "overall": 0.25,
     }
     results = [wrong("color"), ALL_RIGHT]

@@ -30,8 +30,10 @@ frame showing an object:
   verdict does not depend on the speed) and larger than the box's perpendicular displacement;
 * ``speed``: the mean per-frame trailing-edge speed along the prompted axis is nearer the
   prompted speed than the other speed and than 0 (a still object is neither slow nor fast);
-* ``smooth``: every frame shows an object and each frame-to-frame trailing-edge step is within
-  1 pixel of the steps' mean (no jumps);
+* ``smooth``: every frame shows an object, each frame-to-frame trailing-edge step is within
+  1 pixel of the steps' mean (no jumps) and that mean is at least half of ``slow_pixels`` in
+  size (the object moves: every prompt asks for motion, so a still clip is not smooth motion,
+  and a reward cannot be earned by freezing the clip);
 * ``overall``: all five.
 
 Invariants: ``example(index, split)`` is a pure function of ``(config.seed, split, index)``
@@ -281,7 +283,8 @@ def check_clip(
         edge, _ = _motion_edge(example.direction, boxes, image_size)
         steps = [b[edge] - a[edge] for a, b in zip(boxes, boxes[1:])]
         mean = sum(steps) / len(steps)
-        result["smooth"] = all(abs(s - mean) <= 1 for s in steps)
+        moving = abs(mean) >= 0.5 * slow_pixels
+        result["smooth"] = moving and all(abs(s - mean) <= 1 for s in steps)
     else:
         result["smooth"] = False
     result["overall"] = all(result.values())
