@@ -91,6 +91,45 @@ def test_fanout_grows_a_tree_with_distinct_seeds():
     )
 
 
+def test_shared_group_noise_starts_siblings_from_one_noise():
+    """With ``share_group_noise`` the videos grown from one image start from its member 0's
+    noise (then differ by their own SDE noise), the images from ``init_seeds``; without
+    ``init_seeds`` the first stage refuses, naming the stage."""
+    image, video = _models()
+    workflow = Workflow(_spec(fanout=3), {"image": image, "video": video})
+    shared = SDE.model_copy(update={"share_group_noise": True})
+    samplers = {"image": shared, "video": shared}  # rollout settings: a spec refuses them
+    with pytest.raises(ValueError, match="share_group_noise: a workflow file holds the serving"):
+        StageSpec(name="image", model="image", sampler=shared)
+    prompts = [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
+    run = workflow.run(
+        prompts, [10, 11, 12, 13], capture=True, samplers=samplers, init_seeds=[10, 10, 12, 12]
+    )
+    start = run.stages["image"].trace.latents[:, 0]
+    assert torch.equal(start[0], start[1]) and torch.equal(start[2], start[3])
+    assert not torch.equal(start[0], start[2])
+    images = run.stages["image"].artefact
+    assert not torch.equal(images[0], images[1])  # the SDE noise differs per row
+    out = run.stages["video"]
+    first = out.trace.latents[:, 0]
+    for parent in range(4):
+        rows = range(3 * parent, 3 * parent + 3)
+        assert all(torch.equal(first[r], first[3 * parent]) for r in rows)
+        assert not torch.equal(out.artefact[3 * parent], out.artefact[3 * parent + 1])
+    assert not torch.equal(first[0], first[3])
+    # the start noise is member 0's own: the same as sampling the tree without sharing
+    independent = workflow.run(prompts, [10, 11, 12, 13], capture=True)
+    assert torch.equal(independent.stages["image"].trace.latents[0, 0], start[0])
+    assert torch.equal(independent.stages["video"].trace.latents[3, 0], first[3])
+    # each stage still replays exactly
+    for name, model in (("image", image), ("video", video)):
+        trace = run.stages[name].trace
+        replay = FlowReplayScorer.for_trace(model, trace).score_trace(trace)
+        assert torch.equal(replay.logprobs, trace.behaviour_logprobs[:, trace.sde_step_indices()])
+    with pytest.raises(WorkflowError, match="stage 'image': sampler.share_group_noise needs"):
+        workflow.run(prompts, [10, 11, 12, 13], samplers=samplers)
+
+
 def test_spec_errors_name_the_stage_and_field(tmp_path):
     with pytest.raises(ValueError, match=r"stages\[1\].name: 'image' is used twice"):
         WorkflowSpec(

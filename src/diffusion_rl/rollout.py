@@ -416,7 +416,13 @@ def collect_workflow_rollout(
     examples = [workflow.task.example(i, "train") for i, _ in rows]
     seeds = [rollout_seed(seed, i, g) for i, g in rows]
     run = workflow.run(
-        examples, seeds, capture=True, versions=versions, samplers=samplers, fanout=fanout
+        examples,
+        seeds,
+        capture=True,
+        versions=versions,
+        samplers=samplers,
+        fanout=fanout,
+        init_seeds=[rollout_seed(seed, i, 0) for i, _ in rows],  # a prompt group's start noise
     )
     fanout = dict(fanout or {})
     fanouts = [fanout.get(s.name, s.fanout) if s.input else 1 for s in workflow.spec.stages]

@@ -93,6 +93,17 @@ class StageSpec(BaseModel):
             )
         return value
 
+    @field_validator("sampler")
+    @classmethod
+    def _check_sampler(cls, value: FlowSamplerConfig) -> FlowSamplerConfig:
+        if value.share_group_noise:
+            raise ValueError(
+                "share_group_noise: a workflow file holds the serving samplers, and served rows "
+                "each start from their own noise; share a group's noise in the rollouts "
+                "(workflow-rl: stages.NAME.sampler.share_group_noise: true)"
+            )
+        return value
+
 
 class WorkflowSpec(BaseModel):
     """A chain of stages; ``task`` (optional) is the ``info()`` of the task whose examples
@@ -310,11 +321,16 @@ class Workflow:
         versions: Mapping[str, int] | None = None,
         samplers: Mapping[str, FlowSamplerConfig] | None = None,
         fanout: Mapping[str, int] | None = None,
+        init_seeds: Sequence[int] | None = None,
     ) -> WorkflowRun:
         """Run every stage (module doc). ``seeds``: one per prompt (the first stage's rows).
         ``versions``: each stage's weights version stamped into its trace (default 0);
         ``samplers`` / ``fanout``: per-stage overrides of the spec (e.g. the serving or the
-        rollout settings)."""
+        rollout settings). With a sampler's ``share_group_noise`` the rows of one group start
+        from the same noise: a later stage's group is the ``fanout`` rows grown from one input
+        row (they start from its member 0's noise); the first stage's rows start from
+        ``init_seeds`` (one per row, e.g. the seed of the row's prompt group), which that
+        setting then requires."""
         if len(prompts) == 0 or len(prompts) != len(seeds):
             raise WorkflowError(
                 f"prompts / seeds: expected one seed per prompt (at least one), got "
@@ -327,12 +343,21 @@ class Workflow:
             model = self.models[stage.name]
             config = samplers.get(stage.name, stage.sampler)
             cond = uncond = None
+            group, starts = None, None
             if stage.input is None:
                 parents = roots = torch.arange(len(examples))
                 stage_seeds = [int(s) for s in seeds]
+                if config.share_group_noise:
+                    if init_seeds is None or len(init_seeds) != len(seeds):
+                        raise WorkflowError(
+                            f"stage {stage.name!r}: sampler.share_group_noise needs init_seeds "
+                            f"(one start-noise seed per prompt row, {len(seeds)}); pass them "
+                            "or set share_group_noise: false"
+                        )
+                    starts = [int(s) for s in init_seeds]
             else:
                 source = outputs[stage.input]
-                k = fanout.get(stage.name, stage.fanout)
+                k = group = fanout.get(stage.name, stage.fanout)
                 parents = torch.arange(len(source.seeds)).repeat_interleave(k)
                 stage_seeds = [
                     stage_seed(source.seeds[p], index, m)
@@ -357,6 +382,8 @@ class Workflow:
                 cond=cond,
                 uncond=uncond,
                 stage=stage.name,
+                group_size=group,
+                init_seeds=starts,
             )
             outputs[stage.name] = StageOutput(
                 name=stage.name,
