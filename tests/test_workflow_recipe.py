@@ -161,6 +161,40 @@ def test_resume_continues_exactly(stage_models, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), stage
 
 
+def test_a_stage_ema_is_served_saved_and_resumed(stage_models, tmp_path):
+    """``stages.video.ema_decay: d``: rollouts (hence the live weights) are unchanged; the
+    saved video stage is the EMA of the live weights after each step (the first update copies:
+    ``d · w1 + (1 - d) · w2`` after two steps); the image stage saves its live weights; a
+    resumed run's EMA is the straight run's, bitwise."""
+    path = _workflow_file(stage_models, tmp_path)
+    d = 0.75
+    ema = {"image": {"optim": {"lr": 3e-3}}, "video": {"optim": {"lr": 1e-3}, "ema_decay": d}}
+
+    def weights(out, stage):
+        return _weights(tmp_path / out / "model" / stage)
+
+    run_workflow_rl(_rl_config(path, tmp_path / "ema", stages=ema), echo=lambda _: None)
+    run_workflow_rl(_rl_config(path, tmp_path / "live1", steps=1), echo=lambda _: None)
+    run_workflow_rl(_rl_config(path, tmp_path / "live2"), echo=lambda _: None)
+    averaged, w1, w2 = (weights(out, "video") for out in ("ema", "live1", "live2"))
+    moved = [k for k in w1 if not torch.equal(w1[k], w2[k])]
+    assert moved  # the second step changed the live weights
+    for key in w1:
+        torch.testing.assert_close(averaged[key], d * w1[key] + (1 - d) * w2[key])
+    image, live_image = weights("ema", "image"), weights("live2", "image")
+    assert all(torch.equal(image[k], live_image[k]) for k in image)
+    info = load_model(tmp_path / "ema" / "model" / "video").info
+    assert info["ema_decay"] == d
+    # resume: one step, then on to two; the EMA continues from its checkpointed state
+    run_workflow_rl(_rl_config(path, tmp_path / "split", steps=1, stages=ema), echo=lambda _: None)
+    run_workflow_rl(_rl_config(path, tmp_path / "split", stages=ema), echo=lambda _: None)
+    resumed = weights("split", "video")
+    assert all(torch.equal(resumed[k], averaged[k]) for k in averaged)
+    with pytest.raises(ConfigError, match="stages.image.ema_decay: the stage is frozen"):
+        frozen = {"image": {"train": False, "ema_decay": d}}
+        run_workflow_rl(_rl_config(path, tmp_path / "f", stages=frozen), echo=lambda _: None)
+
+
 def test_config_errors_name_the_stage(stage_models, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the built-in workflow a quickstart here would write is absent
     path = _workflow_file(stage_models, tmp_path)

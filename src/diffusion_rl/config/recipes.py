@@ -424,13 +424,17 @@ class StageTrainSection(BaseModel):
     """How one workflow stage is trained: ``train: false`` freezes it (no optimizer, its
     weights version stays 0); its own ``optim`` (lr, schedule, clip); ``sampler``: overrides
     of the workflow file's sampler settings for this stage's *rollouts* (``mode`` is always
-    ``sde``; e.g. ``sde_window``, ``noise_level``, ``kernels``, ``guidance_scale``)."""
+    ``sde``; e.g. ``sde_window``, ``noise_level``, ``kernels``, ``guidance_scale``).
+    ``ema_decay``: keep an exponential moving average of the stage's weights (updated after
+    every step; rollouts still use the live weights), which evaluation serves and the model
+    directory saves."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     train: bool = True
     optim: OptimConfig = OptimConfig(**WORKFLOW_OPTIM_DEFAULTS)
     sampler: dict[str, Any] = {}
+    ema_decay: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

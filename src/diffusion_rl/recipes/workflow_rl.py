@@ -13,6 +13,10 @@ own optimizer settings, schedule and clip, each stage's loss normalised over its
 Then every trained stage's rollout weights are synced, each with its own version; a frozen
 stage keeps version 0.
 
+A stage with ``ema_decay`` keeps an exponential moving average of its weights, updated after
+every step (rollouts still run the live weights); evaluation serves it and the model directory
+saves it.
+
 Evaluation serves the workflow with its own samplers on the held-out prompts at fixed seeds:
 per-attribute accuracy of the final clips, the first stage's image accuracy (a diagnostic),
 and previews ``samples/<tag>.gif`` (animated) and ``samples/<tag>.png`` (frame strips).
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 import yaml
 from pydantic import ValidationError
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ..config import ConfigError, WorkflowRLRecipeConfig
 from ..evaluation import evaluate_workflow
@@ -88,6 +93,12 @@ class WorkflowRLRecipe(Recipe):
         self.trained = [n for n in names if settings[n] is None or settings[n].train]
         if not self.trained:
             raise ConfigError("stages: every stage is frozen (train: false); nothing to train")
+        for name in names:
+            if name not in self.trained and settings[name].ema_decay is not None:
+                raise ConfigError(
+                    f"stages.{name}.ema_decay: the stage is frozen (train: false), so there is "
+                    "nothing to average; drop ema_decay or train the stage"
+                )
         self.rollout_samplers = {
             stage.name: _rollout_sampler(stage, settings[stage.name]) for stage in spec.stages
         }
@@ -132,10 +143,20 @@ class WorkflowRLRecipe(Recipe):
             if name not in self.roles:
                 models[name] = frozen_copy(models[name])
         self.models = models
-        self.workflow = Workflow(
-            spec,
-            {n: self.roles[n].rollout if n in self.roles else models[n] for n in names},
-            task=self.task,
+        rollout_models = {n: self.roles[n].rollout if n in self.roles else models[n] for n in names}
+        self.workflow = Workflow(spec, rollout_models, task=self.task)
+        self.ema = {
+            name: AveragedModel(
+                rollout_models[name],
+                multi_avg_fn=get_ema_multi_avg_fn(settings[name].ema_decay),
+            )
+            for name in self.trained
+            if settings[name] is not None and settings[name].ema_decay is not None
+        }
+        # evaluated and saved: a stage's EMA where it keeps one, else its rollout weights
+        self.served = {n: self.ema[n].module if n in self.ema else rollout_models[n] for n in names}
+        self.served_workflow = (
+            Workflow(spec, self.served, task=self.task) if self.ema else self.workflow
         )
         self.reward_fn = CombinedReward(
             [(get_reward(r.name, **r.options), r.weight) for r in config.rewards]
@@ -204,6 +225,8 @@ class WorkflowRLRecipe(Recipe):
                 diagnostics=self._diagnostics,
             )
         metrics = self.learner.step_stages({n: rollout.stages[n] for n in self.trained})
+        for name, average in self.ema.items():  # after the sync: the new rollout weights
+            average.update_parameters(self.roles[name].rollout)
         metrics.update(rollout.stats)
         return _one_name_per_value(metrics, self.learner.num_iterations)
 
@@ -214,7 +237,7 @@ class WorkflowRLRecipe(Recipe):
         step = self.steps_done()
         name = f"step_{step:06d}" if tag == "step" else tag
         result = evaluate_workflow(
-            self.workflow,
+            self.served_workflow,
             samples_per_prompt=self.config.eval_samples_per_prompt,
             seed=self.config.seed,
         )
@@ -233,12 +256,17 @@ class WorkflowRLRecipe(Recipe):
         return record, metrics
 
     def state(self) -> dict[str, Any]:
-        return {"position": self.position, "versions": self.versions()}
+        state = {"position": self.position, "versions": self.versions()}
+        if self.ema:
+            state["ema"] = {name: average.state_dict() for name, average in self.ema.items()}
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
         for name, roles in self.roles.items():
             roles.restore(int(state["versions"][name]))
+        for name, average in self.ema.items():
+            average.load_state_dict(state["ema"][name])
 
     def plot(self, out: Path, history) -> Path:
         """``curves.png``: the rollout reward and each attribute's rollout accuracy, the
@@ -265,12 +293,15 @@ class WorkflowRLRecipe(Recipe):
         directory.mkdir(parents=True, exist_ok=True)
         stages = []
         for stage in self.spec.stages:
-            model = (  # a trained stage: its plain trained weights (published under torchrun)
-                self.trainer.host[stage.name]
-                if stage.name in self.roles
-                else self.models[stage.name]
-            )
+            if stage.name in self.ema:
+                model = self.ema[stage.name].module
+            elif stage.name in self.roles:  # its plain trained weights (published under torchrun)
+                model = self.trainer.host[stage.name]
+            else:
+                model = self.models[stage.name]
             info = {"workflow_stage": stage.name, "trained_steps": self.steps_done()}
+            if stage.name in self.ema:
+                info["ema_decay"] = self.config.stages[stage.name].ema_decay
             save_model(directory / stage.name, model, info)
             stages.append({**stage.model_dump(mode="json"), "model": stage.name})
         spec = {"name": self.spec.name, "task": self.spec.task, "stages": stages}
