@@ -1,8 +1,8 @@
 """Credit assignment in workflow RL: which stage learns from which reward, under CPU budgets.
 
 Starts from one text → image → video workflow (an image-stage FlowDiT and a video-stage
-VideoDiT after flow SFT: trained here with the quickstart's settings unless ``--workflow`` is
-given) and runs the ``workflow-rl`` recipe in fresh one-thread processes, each stopped
+VideoDiT after flow SFT with the quickstart's settings: 3000 image and 1000 video steps, trained
+here unless ``--workflow`` is given) and runs the ``workflow-rl`` recipe in fresh one-thread processes, each stopped
 (through the recipe's normal end: final evaluation, checkpoint, model, results) once it has
 used its budget of *CPU time* (``time.process_time``; a loaded machine costs wall time, not
 learning). Four arms, the same seeds and settings otherwise:
@@ -48,10 +48,13 @@ def step_stages(self, rollouts):
 recipe.PolicyLearner.step_stages = step_stages
 """
 
-# The quickstart's workflow-RL settings (one definition for both), run to a CPU budget with
-# before / after evaluations only (each top-level key overridable with --set).
+# The quickstart's workflow-RL settings (per stage lr 1e-4, SDE on the first 4 of the 10
+# steps, each group starting from one noise, an EMA of the weights at 0.97) with 4 prompts x 8
+# images x 2 videos (the workflow file's fanout) per step, run to a CPU budget with before /
+# after evaluations only (each top-level key overridable with --set).
 SETTINGS = {
     **QUICKSTART_WORKFLOW_RL,
+    "prompts_per_step": 4,
     "steps": 100000,  # the CPU budget ends the run
     "eval_every": 100000,
     "checkpoint_every": 100000,
@@ -76,8 +79,8 @@ def arm_config(name: str, workflow: str, out: Path, extra: dict) -> dict:
     stages = json.loads(json.dumps(SETTINGS["stages"]))
     for stage, section in extra.get("stages", {}).items():
         stages[stage] = {**stages.get(stage, {}), **section}
-    if arm["freeze"]:
-        stages[arm["freeze"]]["train"] = False
+    if arm["freeze"]:  # frozen: no optimizer, nothing to average
+        stages[arm["freeze"]] = {**stages[arm["freeze"]], "train": False, "ema_decay": None}
     return {
         **SETTINGS,
         **{k: v for k, v in extra.items() if k != "stages"},
@@ -119,11 +122,13 @@ def summary(result: dict) -> dict:
     }
 
 
-def train_workflow(out: Path, steps: int) -> str:
-    """The quickstart's two SFT stages (``steps`` each) and its workflow file."""
+def train_workflow(out: Path, image_steps: int, video_steps: int) -> str:
+    """The quickstart's two SFT stages (``image_steps`` / ``video_steps``) and its workflow
+    file (the quickstart's one RL step is not used: the file points at the SFT models)."""
     from diffusion_rl.quickstart import run_quickstart_workflow
 
-    summary = run_quickstart_workflow(str(out / "sft"), steps=steps, rl_steps=1)
+    steps = [f"image_sft.steps={image_steps}", f"video_sft.steps={video_steps}"]
+    summary = run_quickstart_workflow(str(out / "sft"), rl_steps=1, overrides=steps)
     return str(Path(summary["workflow"]).parents[2] / "workflow.yaml")
 
 
@@ -139,7 +144,8 @@ def main() -> None:
         help="CPU budget of color_image / motion_video",
     )
     parser.add_argument("--workflow", help="a workflow file to start from (default: train one)")
-    parser.add_argument("--sft-steps", type=int, default=1000, help="SFT steps when training one")
+    parser.add_argument("--image-sft-steps", type=int, default=3000, help="when training one")
+    parser.add_argument("--video-sft-steps", type=int, default=1000, help="when training one")
     parser.add_argument("--out", default="runs/bench_workflow_credit")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms to run")
     parser.add_argument("--parallel", type=int, default=2, help="arms run at once (1 thread each)")
@@ -153,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()  # fmt: skip
     out = Path(args.out)
     started = time.time()
-    workflow = args.workflow or train_workflow(out, args.sft_steps)
+    workflow = args.workflow or train_workflow(out, args.image_sft_steps, args.video_sft_steps)
     extra = {}
     for item in args.set:
         key, _, value = item.partition("=")

@@ -340,13 +340,16 @@ def test_quickstart_help_describes_both_modes(capsys):
     assert "OUT/flow_grpo/model" in text and "OUT/grpo/model" in text
     assert "OUT/workflow_rl/model/workflow.yaml" in text
     image_sft, video_sft = quickstart.QUICKSTART_WORKFLOW_SFT_STEPS
-    assert image_sft == video_sft  # --steps sets both; the help shows one number
+    assert video_sft == cli.flags.QUICKSTART_WORKFLOW_VIDEO_SFT_STEPS
     assert {
         "text": (quickstart.QUICKSTART_SFT_STEPS, quickstart.QUICKSTART_GRPO_STEPS),
         "image": (quickstart.QUICKSTART_IMAGE_SFT_STEPS, quickstart.QUICKSTART_IMAGE_GRPO_STEPS),
         "workflow": (image_sft, quickstart.QUICKSTART_WORKFLOW_RL_STEPS),
     } == cli.QUICKSTART_STEPS
-    assert "(default: 3000; image: 3000; workflow: each SFT stage, 1000)" in text
+    assert (
+        "(default: 3000; image: 3000; workflow: 3000 image and 1000 video SFT steps, --steps "
+        "sets both)" in text
+    )
     assert "(default: 100; image: 100; workflow: 40)" in text
 
 

@@ -162,20 +162,25 @@ def test_resume_continues_exactly(stage_models, tmp_path):
 
 
 def test_a_stage_ema_is_served_saved_and_resumed(stage_models, tmp_path):
-    """``stages.video.ema_decay: d``: rollouts (hence the live weights) are unchanged; the
-    saved video stage is the EMA of the live weights after each step (the first update copies:
-    ``d · w1 + (1 - d) · w2`` after two steps); the image stage saves its live weights; a
-    resumed run's EMA is the straight run's, bitwise."""
+    """``stages.video.ema_decay: d`` (rollouts with shared group noise): the rollouts, hence
+    the live weights, are unchanged; the saved video stage is the EMA of the live weights after
+    each step (the first update copies: ``d · w1 + (1 - d) · w2`` after two steps); the image
+    stage saves its live weights; a resumed run's EMA is the straight run's, bitwise."""
     path = _workflow_file(stage_models, tmp_path)
     d = 0.75
-    ema = {"image": {"optim": {"lr": 3e-3}}, "video": {"optim": {"lr": 1e-3}, "ema_decay": d}}
+    shared = {"share_group_noise": True}  # the rollouts' groups start from one noise
+    live = {
+        "image": {"optim": {"lr": 3e-3}, "sampler": shared},
+        "video": {"optim": {"lr": 1e-3}, "sampler": shared},
+    }
+    ema = {**live, "video": {**live["video"], "ema_decay": d}}
 
     def weights(out, stage):
         return _weights(tmp_path / out / "model" / stage)
 
     run_workflow_rl(_rl_config(path, tmp_path / "ema", stages=ema), echo=lambda _: None)
-    run_workflow_rl(_rl_config(path, tmp_path / "live1", steps=1), echo=lambda _: None)
-    run_workflow_rl(_rl_config(path, tmp_path / "live2"), echo=lambda _: None)
+    run_workflow_rl(_rl_config(path, tmp_path / "live1", steps=1, stages=live), echo=lambda _: None)
+    run_workflow_rl(_rl_config(path, tmp_path / "live2", stages=live), echo=lambda _: None)
     averaged, w1, w2 = (weights(out, "video") for out in ("ema", "live1", "live2"))
     moved = [k for k in w1 if not torch.equal(w1[k], w2[k])]
     assert moved  # the second step changed the live weights

@@ -24,6 +24,7 @@ from .flags import (
     MAX_TEMPERATURE,
     MAX_THREADS,
     QUICKSTART_STEPS,
+    QUICKSTART_WORKFLOW_VIDEO_SFT_STEPS,
     SEED,
     TEXT_FORMATS,
     WORKFLOW_FORMATS,
@@ -173,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_integer(1, MAX_STEPS),
         default=None,
         help=f"SFT steps of the first stage (default: {QUICKSTART_STEPS['text'][0]}; image: "
-        f"{QUICKSTART_STEPS['image'][0]}; workflow: each SFT stage, "
-        f"{QUICKSTART_STEPS['workflow'][0]})",
+        f"{QUICKSTART_STEPS['image'][0]}; workflow: {QUICKSTART_STEPS['workflow'][0]} image "
+        f"and {QUICKSTART_WORKFLOW_VIDEO_SFT_STEPS} video SFT steps, --steps sets both)",
     )
     p.add_argument(
         "--rl-steps",
