@@ -154,10 +154,8 @@ class WorkflowRLRecipe(Recipe):
             if settings[name] is not None and settings[name].ema_decay is not None
         }
         # evaluated and saved: a stage's EMA where it keeps one, else its rollout weights
-        self.served = {n: self.ema[n].module if n in self.ema else rollout_models[n] for n in names}
-        self.served_workflow = (
-            Workflow(spec, self.served, task=self.task) if self.ema else self.workflow
-        )
+        served = {n: self.ema[n].module if n in self.ema else rollout_models[n] for n in names}
+        self.served_workflow = Workflow(spec, served, task=self.task) if self.ema else self.workflow
         self.reward_fn = CombinedReward(
             [(get_reward(r.name, **r.options), r.weight) for r in config.rewards]
         )
@@ -293,15 +291,14 @@ class WorkflowRLRecipe(Recipe):
         directory.mkdir(parents=True, exist_ok=True)
         stages = []
         for stage in self.spec.stages:
+            info = {"workflow_stage": stage.name, "trained_steps": self.steps_done()}
             if stage.name in self.ema:
                 model = self.ema[stage.name].module
+                info["ema_decay"] = self.config.stages[stage.name].ema_decay
             elif stage.name in self.roles:  # its plain trained weights (published under torchrun)
                 model = self.trainer.host[stage.name]
             else:
                 model = self.models[stage.name]
-            info = {"workflow_stage": stage.name, "trained_steps": self.steps_done()}
-            if stage.name in self.ema:
-                info["ema_decay"] = self.config.stages[stage.name].ema_decay
             save_model(directory / stage.name, model, info)
             stages.append({**stage.model_dump(mode="json"), "model": stage.name})
         spec = {"name": self.spec.name, "task": self.spec.task, "stages": stages}
