@@ -1,9 +1,10 @@
 """Credit assignment in workflow RL: which stage learns from which reward, under CPU budgets.
 
 Starts from one text → image → video workflow (an image-stage FlowDiT and a video-stage
-VideoDiT after flow SFT with the quickstart's settings: 3000 image and 1000 video steps, trained
-here unless ``--workflow`` is given) and runs the ``workflow-rl`` recipe in fresh one-thread processes, each stopped
-(through the recipe's normal end: final evaluation, checkpoint, model, results) once it has
+VideoDiT after flow SFT with the quickstart's settings: 1000 image and 3000 video steps at one
+thread, bitwise the quickstart's models; trained here unless ``--workflow`` is given) and runs
+the ``workflow-rl`` recipe in fresh one-thread processes, each stopped (through the recipe's
+normal end: final evaluation, checkpoint, model, results) once it has
 used its budget of *CPU time* (``time.process_time``; a loaded machine costs wall time, not
 learning). Four arms, the same seeds and settings otherwise:
 
@@ -128,7 +129,7 @@ def train_workflow(out: Path, image_steps: int, video_steps: int) -> str:
     from diffusion_rl.quickstart import run_quickstart_workflow
 
     steps = [f"image_sft.steps={image_steps}", f"video_sft.steps={video_steps}"]
-    summary = run_quickstart_workflow(str(out / "sft"), rl_steps=1, overrides=steps)
+    summary = run_quickstart_workflow(str(out / "sft"), rl_steps=1, overrides=steps, threads=1)
     return str(Path(summary["workflow"]).parents[2] / "workflow.yaml")
 
 
@@ -144,8 +145,8 @@ def main() -> None:
         help="CPU budget of color_image / motion_video",
     )
     parser.add_argument("--workflow", help="a workflow file to start from (default: train one)")
-    parser.add_argument("--image-sft-steps", type=int, default=3000, help="when training one")
-    parser.add_argument("--video-sft-steps", type=int, default=1000, help="when training one")
+    parser.add_argument("--image-sft-steps", type=int, default=1000, help="when training one")
+    parser.add_argument("--video-sft-steps", type=int, default=3000, help="when training one")
     parser.add_argument("--out", default="runs/bench_workflow_credit")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms to run")
     parser.add_argument("--parallel", type=int, default=2, help="arms run at once (1 thread each)")

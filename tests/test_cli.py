@@ -347,7 +347,7 @@ def test_quickstart_help_describes_both_modes(capsys):
         "workflow": (image_sft, quickstart.QUICKSTART_WORKFLOW_RL_STEPS),
     } == cli.QUICKSTART_STEPS
     assert (
-        "(default: 3000; image: 3000; workflow: 3000 image and 1000 video SFT steps, --steps "
+        "(default: 3000; image: 3000; workflow: 1000 image and 3000 video SFT steps, --steps "
         "sets both)" in text
     )
     assert "(default: 100; image: 100; workflow: 40)" in text
