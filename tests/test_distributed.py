@@ -309,7 +309,11 @@ def test_ratio_is_one_before_any_update_on_every_rank(runs, name):
     for step in record["steps"]:
         for rank in step:
             assert first_pass(rank, "ratio_min") == first_pass(rank, "ratio_max") == 1.0
-            assert first_pass(rank, "parity_max_abs") == 0.0
+            # a rank replays its shard of the token batch: other GEMM shapes than the
+            # sampler's, whose float32 sums some CPUs order differently (flow replays keep
+            # the sampler's composition per rank: exactly 0)
+            parity = first_pass(rank, "parity_max_abs")
+            assert parity == 0.0 if name.startswith("flow") else parity <= 1e-5
     first = record["steps"][0]
     assert all(first_pass(rank, "kl") in (0.0, None) for rank in first)  # reference = start
     assert any(rank["grad_norm"] > 0 for step in record["steps"] for rank in step)

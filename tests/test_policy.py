@@ -320,7 +320,8 @@ def test_micro_batch_size_does_not_change_the_step(iterations):
     """The learner interface: one rollout of 16 rows trained with micro-batches of 1, 2, 3
     (uneven: 5 × 3 + 1) or all rows gives the same step. The loss is normalised once over
     the whole batch, so the parameters agree to float32 rounding; the ratio and parity
-    extremes are true extremes over micro-batches, exactly 1 and 0 before the update.
+    extremes are true extremes over micro-batches: the ratio exactly 1 before the update, the
+    parity exactly 0 for one batch and within float32 rounding for micro-batches.
 
     The optimiser is Adam in its SGD limit (eps ≫ |g|: update ≈ lr · g / eps = 1e-4 g): plain
     Adam normalises each element, so in directions whose gradient is mathematically zero
@@ -340,7 +341,10 @@ def test_micro_batch_size_does_not_change_the_step(iterations):
         assert metrics["learner/micro_batches"] == (1 if size is None else -(-16 // size))
         assert metrics["policy/ratio_max@iter0"] == 1.0
         assert metrics["policy/ratio_min@iter0"] == 1.0
-        assert metrics["policy/parity_max_abs@iter0"] == 0.0
+        # one replay batch = the sampler's: parity exactly 0; smaller micro-batches run other
+        # GEMM shapes, whose float32 sums some CPUs (AVX-512 oneDNN) order differently
+        parity = metrics["policy/parity_max_abs@iter0"]
+        assert parity == 0.0 if size is None else parity <= 1e-5
         assert metrics["weights_version"] == 1.0
         # before the update ρ = 1 and KL = 0, so the loss is -mean(A) over rows: 0 (centred)
         assert metrics["loss@iter0"] == pytest.approx(0.0, abs=1e-6)

@@ -191,7 +191,8 @@ def test_clip_rewards_are_deterministic_and_batch_invariant(name, clip_dir, head
     assert torch.equal(reward(images, PROMPTS), batch)
     for row in range(4):
         alone = reward(images[row : row + 1], PROMPTS[row : row + 1])
-        assert abs(alone.item() - batch[row].item()) <= 1e-6
+        # float32 rounding: a batch of 1 runs other GEMM shapes (1.2e-6 measured on AVX-512)
+        assert abs(alone.item() - batch[row].item()) <= 1e-5
     # the order of the batch does not matter either
     order = [2, 0, 3, 1]
     shuffled = reward(images[order], [PROMPTS[i] for i in order])
