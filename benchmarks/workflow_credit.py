@@ -36,7 +36,7 @@ from pathlib import Path
 
 from flow_grpo_learning import run_recipe
 
-from diffusion_rl.quickstart import QUICKSTART_WORKFLOW_RL
+from diffusion_rl.quickstart import QUICKSTART_WORKFLOW_RL, QUICKSTART_WORKFLOW_SFT_STEPS
 
 # The run stops (through the recipe's normal end) once its CPU budget is spent.
 STAGES_PATCH = """
@@ -145,8 +145,9 @@ def main() -> None:
         help="CPU budget of color_image / motion_video",
     )
     parser.add_argument("--workflow", help="a workflow file to start from (default: train one)")
-    parser.add_argument("--image-sft-steps", type=int, default=1000, help="when training one")
-    parser.add_argument("--video-sft-steps", type=int, default=3000, help="when training one")
+    image_sft, video_sft = QUICKSTART_WORKFLOW_SFT_STEPS  # the quickstart's start by default
+    parser.add_argument("--image-sft-steps", type=int, default=image_sft, help="when training one")
+    parser.add_argument("--video-sft-steps", type=int, default=video_sft, help="when training one")
     parser.add_argument("--out", default="runs/bench_workflow_credit")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms to run")
     parser.add_argument("--parallel", type=int, default=2, help="arms run at once (1 thread each)")
