@@ -143,6 +143,50 @@ def test_constant_reward_moves_no_stage(stage_models, tmp_path):
         assert all(torch.equal(before[k], after[k]) for k in before), stage
 
 
+class _Constant:
+    """A reward of 0.7 for every clip: not dyadic, so a float32 mean of a group of eight is
+    off by one ulp (the flat-group hole)."""
+
+    name = "motion"  # stands in for the video reward
+
+    def __init__(self, value: float = 0.7, **_) -> None:
+        self.value = value
+
+    def __call__(self, clips, examples):
+        return torch.full((len(examples),), self.value)
+
+
+def test_a_constant_non_dyadic_reward_at_group_size_8_moves_no_stage(
+    stage_models, tmp_path, monkeypatch
+):
+    """Eight first-stage samples per prompt, every clip scored 0.7, three steps: every stage is
+    bitwise unchanged (flat groups are decided by max == min, not by the std)."""
+    from diffusion_rl import rewards
+
+    monkeypatch.setitem(rewards.REWARDS, "motion", _Constant)
+    path = _workflow_file(stage_models, tmp_path)
+    config = _rl_config(
+        path,
+        tmp_path / "run",
+        steps=3,
+        eval_every=3,
+        checkpoint_every=3,
+        group_size=8,
+        rewards=[{"name": "motion", "weight": 1.0}],
+    )
+    results = run_workflow_rl(config, echo=lambda _: None)
+    assert results["weights_versions"] == {"image": 3, "video": 3}
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "loss" in line]
+    assert len(steps) == 3
+    for line in steps:
+        assert line["image/rollout/flat_groups"] == line["video/rollout/flat_groups"] == 1.0
+        assert line["image/rollout/advantage_abs_mean"] == 0.0
+    for stage in ("image", "video"):
+        before, after = _weights(stage_models / stage), _weights(tmp_path / "run" / "model" / stage)
+        assert all(torch.equal(before[k], after[k]) for k in before), stage
+
+
 def test_resume_continues_exactly(stage_models, tmp_path):
     path = _workflow_file(stage_models, tmp_path)
     straight = run_workflow_rl(

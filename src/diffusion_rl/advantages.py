@@ -10,8 +10,11 @@ a group's rewards:
              "none":   a                               Dr.GRPO
     clip     clamp(·, −clip, clip) when ``clip`` is set (Flow-GRPO: 5)
 
-A group whose rewards are all equal gets advantage exactly 0 (no signal). The statistics are
-``torch.mean`` / ``torch.std`` over each group, float32.
+A group whose rewards are all equal gets advantage exactly 0 (no signal), for every group size
+and value: "flat" is decided by ``max == min``, never by the std, because the float32 mean of
+equal values need not be that value (eight rewards of 0.7 average to 0.7 plus one ulp, and
+``(r − mean) / (std + eps)`` would turn that ulp into advantages of up to ~0.06). The
+statistics are ``torch.mean`` / ``torch.std`` over each group, float32.
 
 :class:`AdvantageSpec` holds those options; each objective's config says which it uses
 (``PolicyLossConfig.advantage_spec``, ``FlowGRPOConfig.advantage_spec``).
@@ -65,6 +68,7 @@ def group_advantages(
             f"got {tuple(rewards.shape)}"
         )
     groups = rewards.float().view(-1, group_size)
+    flat = flat_groups(groups)
     centred = groups - groups.mean(1, keepdim=True)
     if spec.scale == "group":
         if group_size - spec.ddof < 1:
@@ -75,10 +79,17 @@ def group_advantages(
         centred = centred / (groups.std(1, correction=spec.ddof, keepdim=True) + spec.eps)
     elif spec.scale == "batch":
         centred = centred / (rewards.float().std(correction=spec.ddof) + spec.eps)
-    advantages = centred.reshape(-1)
+    advantages = torch.where(flat[:, None], 0.0, centred).reshape(-1)
     if spec.clip is not None:
         advantages = torch.clamp(advantages, -spec.clip, spec.clip)
     return advantages
+
+
+def flat_groups(groups: torch.Tensor) -> torch.Tensor:
+    """``groups [N, G]`` → bool ``[N]``: the groups whose values are all equal (``max == min``;
+    a group holding a NaN is not flat). The one test of "no signal" for advantages, DAPO's
+    filter and the flat-group metrics."""
+    return groups.amax(1) == groups.amin(1)
 
 
 def overlong_penalty(

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .advantages import AdvantageSpec, group_advantages
+from .advantages import AdvantageSpec, flat_groups, group_advantages
 from .distributed import World
 from .sampling.flow import FlowSamplerConfig, sample_flow
 from .sampling.token import TokenSamplerConfig, sample_tokens
@@ -284,7 +284,7 @@ def collect_rollout(
         keep = torch.ones(len(rows), dtype=torch.bool)
         if dynamic_sampling:
             groups = rewards.view(-1, group_size)
-            informative = (groups.max(1).values - groups.min(1).values) > 0
+            informative = ~flat_groups(groups)
             if not bool(informative.any()):
                 continue
             keep = informative.repeat_interleave(group_size)
@@ -320,7 +320,7 @@ def collect_rollout(
     stats = {
         "rollout/reward_mean": float(all_rewards.mean()),
         "rollout/reward_std": float(all_rewards.std(correction=0)),
-        "rollout/flat_groups": float((groups.max(1).values == groups.min(1).values).float().mean()),
+        "rollout/flat_groups": float(flat_groups(groups).float().mean()),
         "rollout/groups_sampled": float(sampled_groups),
         "rollout/groups_kept": float(len(all_kept) // group_size),
         "rollout/groups_short": float(max(0, num_prompts - len(all_kept) // group_size)),
@@ -444,8 +444,7 @@ def collect_workflow_rollout(
         width *= fan
         local = slice(mine.start * width, mine.stop * width)
         advantages = group_advantages(values, size, advantage)
-        groups = values.view(-1, size)
-        flat = (groups.max(1).values == groups.min(1).values).float().mean()
+        flat = flat_groups(values.view(-1, size)).float().mean()
         parts = dict(scored.parts) if stage.name == final.name else {}
         stages[stage.name] = Rollout(
             trace=output.trace,
