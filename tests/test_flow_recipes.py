@@ -100,7 +100,7 @@ def test_config_errors_name_the_field(tmp_path):
         assert f"{key}: unknown key" in str(info.value)
     with pytest.raises(ConfigError, match="sampler.mode: evaluation serves with the ODE"):
         build_config(FlowSFTRecipeConfig, {"sampler": {"mode": "sde"}})
-    with pytest.raises(ConfigError, match="sampler.mode: rollouts need SDE steps"):
+    with pytest.raises(ConfigError, match="sampler.mode: Flow-GRPO rollouts need SDE steps"):
         build_config(FlowGRPORecipeConfig, {"sampler": {"mode": "ode"}})
     with pytest.raises(ConfigError, match="rewards.0: .*'verifier' is not an image reward"):
         build_config(FlowGRPORecipeConfig, {"rewards": [{"name": "verifier"}]})
@@ -335,6 +335,58 @@ def test_flow_grpo_resume_is_bitwise_and_checks_metadata(tmp_path, sft_run, monk
     changed = {**options, "policy": {"num_iterations": 2, "beta": 0.01, "clip_range": 0.2}}
     with pytest.raises(Exception, match="objective.clip_range"):
         run_flow_grpo(grpo_config(tmp_path, model_dir, "killed", **changed), **QUIET)
+
+
+@pytest.mark.parametrize("algorithm", ["nft", "awm", "dgpo"])
+def test_forward_process_methods_train_from_served_samples_and_resume_bitwise(
+    tmp_path, sft_run, monkeypatch, algorithm
+):
+    """flow-grpo with a forward-process policy.algorithm: ODE rollouts (the serving sampler,
+    no SDE steps), the old policy lagging the actor (kept in checkpoints: a run killed at step
+    3 resumes to the uninterrupted run's weights, bitwise), and the first rollout's images are
+    what serving the SFT model with the rollout seeds gives."""
+    root, _ = sft_run
+    model_dir = root / "sft" / "model"
+    policy = {"algorithm": algorithm, "old_decay_rate": 0.2, "old_decay_max": 0.5}
+    policy["timesteps_per_sample"] = 2
+    options = {"steps": 3, "eval_every": 10, "policy": policy, "sampler": {"num_steps": 4}}
+    config = grpo_config(tmp_path, model_dir, "straight", **options)
+    assert config.sampler.mode == "ode" and config.sampler.guidance_scale == 1.0
+    straight = run_flow_grpo(config, **QUIET)
+    records = [r for r in read_records(tmp_path / "straight" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["learner/old_policy_decay"] == pytest.approx(0.4)
+    if algorithm == "awm":
+        assert records[0]["awm/ratio_min"] == 1.0 == records[0]["awm/ratio_max"]
+    else:
+        assert records[0][f"{algorithm}/old_deviation" if algorithm == "nft" else "dgpo/kl"] == 0.0
+
+    task = GenEvalTask()
+    examples = [task.example(i, "train") for i in range(2) for _ in range(4)]
+    seeds = [rollout_seed(0, i, g) for i in range(2) for g in range(4)]
+    model = load_model(model_dir).model
+    images = sample_flow(model, [e.prompt for e in examples], config.sampler, seeds=seeds).images
+    rewards = GenEvalReward()(images, examples)
+    assert records[0]["rollout/reward_mean"] == pytest.approx(float(rewards.mean()), abs=1e-6)
+
+    real_step = Trainer.train_step
+
+    def dying_step(self, micro_batches, loss_fn=None):
+        if self.global_step == 2:  # RL step 3, after the checkpoint of step 2
+            raise KeyboardInterrupt
+        return real_step(self, micro_batches, loss_fn)
+
+    monkeypatch.setattr(Trainer, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_flow_grpo(grpo_config(tmp_path, model_dir, "killed", **options), **QUIET)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    resumed = run_flow_grpo(grpo_config(tmp_path, model_dir, "killed", **options), **QUIET)
+    assert resumed["history"] == straight["history"]
+    a = load_model(tmp_path / "straight" / "model").model.state_dict()
+    b = load_model(tmp_path / "killed" / "model").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    again = [r for r in read_records(tmp_path / "killed" / "metrics.jsonl") if "loss" in r]
+    assert again[-1]["loss"] == records[-1]["loss"]  # the step after the resume: same old policy
 
 
 # ------------------------------------------------------------------------------ CLI

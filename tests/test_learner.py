@@ -35,6 +35,7 @@ class Recording:
         self.num_iterations = plan.num_iterations
         self.uses_reference = plan.uses_reference
         self.metric_prefix = plan.metric_prefix
+        self.uses_rollout_weights = plan.uses_rollout_weights
 
     def check(self, roles):
         self.calls.append(("check",))
@@ -53,9 +54,12 @@ class Recording:
         self.calls.append(("score", live, generator.initial_seed()))
         return self.plan.score(model, batch, settings, live=live, generator=generator)
 
-    def attach(self, batch, reference, old):
+    def attach(self, batch, reference, old, sampler):
         self.calls.append(("attach", reference is not None, old is not None))
-        return self.plan.attach(batch, reference, old)
+        return self.plan.attach(batch, reference, old, sampler)
+
+    def rollout_decay(self, step):
+        return self.plan.rollout_decay(step)
 
     def loss(self, scores, batch):
         self.calls.append(("loss",))

@@ -187,6 +187,79 @@ def test_a_constant_non_dyadic_reward_at_group_size_8_moves_no_stage(
         assert all(torch.equal(before[k], after[k]) for k in before), stage
 
 
+@pytest.mark.parametrize("algorithm", ["awm", "nft"])
+def test_forward_process_workflow_rl_rolls_out_the_served_workflow_and_resumes(
+    stage_models, tmp_path, monkeypatch, algorithm
+):
+    """workflow-rl with a forward-process objective: both stages roll out with the workflow
+    file's own (ODE) samplers, so the first rollout's artefacts are what serving the workflow
+    gives; both stages train, their old policies lag, and a killed run resumes bitwise. A
+    stage may take its own objective (here the image stage Flow-GRPO's, on SDE rollouts)."""
+    path = _workflow_file(stage_models, tmp_path)
+    policy = {"algorithm": algorithm, "timesteps_per_sample": 2, "old_decay_rate": 0.3}
+    policy["old_decay_max"] = 0.9
+    extra = {"steps": 3, "eval_every": 3, "policy": policy}
+    straight = run_workflow_rl(
+        _rl_config(path, tmp_path / "straight", **extra), echo=lambda _: None
+    )
+    assert straight["weights_versions"] == {"image": 3, "video": 3}
+    lines = [
+        json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [line for line in lines if "loss" in line]
+    assert steps[1]["video/learner/old_policy_decay"] == pytest.approx(0.6)
+    assert all(max(x[f"grad_norm/{s}"] for x in steps) > 0 for s in ("image", "video"))
+    for stage in ("image", "video"):
+        before, after = (
+            _weights(stage_models / stage),
+            _weights(tmp_path / "straight" / "model" / stage),
+        )
+        assert any(not torch.equal(before[k], after[k]) for k in before), stage
+
+    # the first rollout is the served workflow (ODE samplers of the file) at the rollout seeds
+    spec, _ = load_workflow_spec(path)
+    models = {s.name: load_model(s.model).model for s in spec.stages}
+    reward = CombinedReward([(get_reward("motion"), 1.0)])
+    served, _ = collect_workflow_rollout(
+        Workflow(spec, models, task=MotionTask()),
+        reward,
+        start_prompt=0,
+        num_prompts=1,
+        group_size=2,
+        versions={"image": 0, "video": 0},
+        seed=0,
+        advantage=WorkflowRLRecipeConfig(workflow=str(path)).policy.advantage_spec,
+    )
+    assert not bool(served.run.stages["video"].trace.sde_steps.any())
+    assert steps[0]["rollout/reward_mean"] == pytest.approx(float(served.rewards.mean()), abs=1e-6)
+
+    from diffusion_rl.train import Trainer
+
+    real_step = Trainer.train_step
+
+    def dying_step(self, micro_batches, loss_fn=None):
+        if self.global_step == 2:
+            raise KeyboardInterrupt
+        return real_step(self, micro_batches, loss_fn)
+
+    monkeypatch.setattr(Trainer, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_workflow_rl(_rl_config(path, tmp_path / "killed", **extra), echo=lambda _: None)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    run_workflow_rl(_rl_config(path, tmp_path / "killed", **extra), echo=lambda _: None)
+    for stage in ("image", "video"):
+        a = _weights(tmp_path / "straight" / "model" / stage)
+        b = _weights(tmp_path / "killed" / "model" / stage)
+        assert all(torch.equal(a[k], b[k]) for k in a), stage
+
+    mixed = {**extra, "stages": {"image": {"policy": {"algorithm": "flow_grpo"}}}}
+    results = run_workflow_rl(_rl_config(path, tmp_path / "mixed", **mixed), echo=lambda _: None)
+    lines = [json.loads(x) for x in (tmp_path / "mixed" / "metrics.jsonl").read_text().splitlines()]
+    first = next(line for line in lines if "loss" in line)
+    assert first["image/flow_grpo/ratio_min"] == 1.0 and f"video/{algorithm}/policy_loss" in first
+    assert results["weights_versions"] == {"image": 3, "video": 3}
+
+
 def test_resume_continues_exactly(stage_models, tmp_path):
     path = _workflow_file(stage_models, tmp_path)
     straight = run_workflow_rl(
@@ -254,8 +327,9 @@ def test_config_errors_name_the_stage(stage_models, tmp_path, monkeypatch):
         run_workflow_rl(_rl_config(path, tmp_path / "b", stages=frozen), echo=print)
     with pytest.raises(ConfigError, match="quickstart --mode workflow"):
         run_workflow_rl(_rl_config("text-to-image-to-video", tmp_path / "c"), echo=print)
-    with pytest.raises(ValueError, match="mode: rollouts need SDE steps"):
-        _rl_config(path, tmp_path / "d", stages={"video": {"sampler": {"mode": "ode"}}})
+    ode = {"video": {"sampler": {"mode": "ode"}}}
+    with pytest.raises(ConfigError, match="stages.video.sampler.mode: Flow-GRPO rollouts need SDE"):
+        run_workflow_rl(_rl_config(path, tmp_path / "d", stages=ode), echo=print)
     window = {"video": {"sampler": {"sde_window": [0, 9]}}}
     with pytest.raises(ConfigError, match=r"stages.video.sampler.*sde_window: expected 0 <= start"):
         run_workflow_rl(_rl_config(path, tmp_path / "f", stages=window), echo=print)

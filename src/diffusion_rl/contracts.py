@@ -13,6 +13,8 @@ that names the field, what was expected and what was found.
   it slot for slot (docs/math.md §4).
 * :class:`FlowStepBatch` — the flow world's training batch: the rows of one sampler forward
   group at one SDE step (docs/math.md §5).
+* :class:`FlowForwardBatch` — the forward-process flow methods' batch: clean rollout samples
+  noised again at drawn timesteps (docs/math.md §5.8).
 * :class:`Extreme` — an aux metric reduced by max or min over micro-batches (a true extreme,
   not a mean of per-micro-batch extremes).
 
@@ -37,6 +39,7 @@ __all__ = [
     "DiffusionDistillationBatch",
     "DiffusionTokenBatch",
     "Extreme",
+    "FlowForwardBatch",
     "FlowStepBatch",
     "LossOutput",
     "WeightedMetric",
@@ -738,4 +741,90 @@ class FlowStepBatch:
 
 pytree.register_dataclass(
     FlowStepBatch, serialized_type_name="diffusion_rl.contracts.FlowStepBatch"
+)
+
+
+@dataclass(frozen=True)
+class FlowForwardBatch:
+    """The training batch of the forward-process flow methods (DiffusionNFT, AWM, DGPO):
+    clean rollout samples noised again by the forward process, ``x_σ = (1 − σ) x0 + σ ε``
+    (docs/math.md §5.8). One *item* is one (row, timestep slot) pair; a row contributes
+    ``K`` items, one per slot.
+
+    * ``rows`` / ``groups`` / ``slots`` long ``[b]``: the trace row of each item, its prompt
+      group and its timestep slot (0 … K − 1)
+    * ``x0`` float32 ``[b, *latent]``: the row's final (σ = 0) rollout latent
+    * ``noise`` float32 ``[b, *latent]`` (ε), ``sigma`` float32 ``[b]``, ``noisy`` float32
+      ``[b, *latent]`` (``x_σ``, formed once so that every role sees the same tensor)
+    * ``cond``: the row's conditioning (no unconditional half: these methods train the
+      conditional velocity, guidance-free)
+    * ``advantages`` / ``weights`` ``[b]`` (the row's, repeated per slot), and, filled by the
+      learner, ``old_velocity`` (the old policy's velocity at the same input: the rollout
+      weights), ``snapshot_velocity`` (the start-of-step snapshot's, μ > 1) and
+      ``ref_velocity`` (the reference's), float32 ``[b, *latent]``
+
+    Checked at construction: kinds, dtypes and shapes (values are not: a diverged model's NaN
+    scores must reach the trainer's skip logic). Registered as a pytree.
+    """
+
+    rows: torch.Tensor
+    groups: torch.Tensor
+    slots: torch.Tensor
+    x0: torch.Tensor
+    noise: torch.Tensor
+    sigma: torch.Tensor
+    noisy: torch.Tensor
+    cond: Conditioning
+    advantages: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    old_velocity: torch.Tensor | None = None
+    snapshot_velocity: torch.Tensor | None = None
+    ref_velocity: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        owner = "FlowForwardBatch"
+        size = None
+        for name in ("rows", "groups", "slots"):
+            value = require_dense_tensor(f"{owner}.{name}", getattr(self, name))
+            if value.dtype != torch.int64 or value.dim() != 1:
+                raise TypeError(
+                    f"{owner}.{name}: expected int64 [b], got {value.dtype} {tuple(value.shape)}"
+                )
+            if size is not None and value.shape[0] != size:
+                raise ValueError(f"{owner}.{name}: expected [b={size}], got {tuple(value.shape)}")
+            size = value.shape[0]
+        x0 = require_dense_tensor(f"{owner}.x0", self.x0)
+        if x0.dtype != torch.float32 or x0.dim() < 2 or x0.shape[0] != size:
+            raise ValueError(
+                f"{owner}.x0: expected float32 [b={size}, *latent], got {x0.dtype} "
+                f"{tuple(x0.shape)}"
+            )
+        for name in ("noise", "noisy", "old_velocity", "snapshot_velocity", "ref_velocity"):
+            value = getattr(self, name)
+            if value is None and name not in ("noise", "noisy"):
+                continue
+            require_dense_tensor(f"{owner}.{name}", value)
+            if not value.dtype.is_floating_point or value.shape != x0.shape:
+                raise ValueError(
+                    f"{owner}.{name}: expected a floating tensor of the shape of x0 "
+                    f"{tuple(x0.shape)}, got {value.dtype} {tuple(value.shape)}"
+                )
+        for name in ("sigma", "advantages", "weights"):
+            value = getattr(self, name)
+            if value is None and name != "sigma":
+                continue
+            require_dense_tensor(f"{owner}.{name}", value)
+            if not value.dtype.is_floating_point or tuple(value.shape) != (size,):
+                raise ValueError(
+                    f"{owner}.{name}: expected a floating tensor [b={size}] (b from "
+                    f"{owner}.rows), got {value.dtype} {tuple(value.shape)}"
+                )
+        check_conditioning(f"{owner}.cond", self.cond, size, finite=False)
+
+    def __len__(self) -> int:
+        return self.x0.shape[0]
+
+
+pytree.register_dataclass(
+    FlowForwardBatch, serialized_type_name="diffusion_rl.contracts.FlowForwardBatch"
 )

@@ -13,13 +13,20 @@ against the task.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..objectives.distill import DistillationLossConfig
 from ..objectives.flow_grpo import FlowGRPOConfig
 from ..objectives.flow_sft import FlowSFTConfig
+from ..objectives.forward_flow import (
+    FORWARD_ALGORITHMS,
+    AWMConfig,
+    DGPOConfig,
+    ForwardFlowConfig,
+    NFTConfig,
+)
 from ..objectives.grpo import PolicyLossConfig
 from ..objectives.sft import MaskedDiffusionSFTConfig
 from ..sampling.flow import FlowSamplerConfig
@@ -172,7 +179,7 @@ class GRPORecipeConfig(RunConfig):
     task: TaskSection | None = None  # null: the task recorded in the model directory
     model: PolicyModelSection = PolicyModelSection()
     policy: PolicyLossConfig = PolicyLossConfig()
-    scorer: Literal["exact", "packed", "mean_field", "coupled", "elbo"] = "exact"
+    scorer: Literal["exact", "packed", "mean_field", "coupled", "elbo", "spg"] = "exact"
     rewards: list[RewardSection] = [RewardSection()]
     sampler: TokenSamplerConfig = TokenSamplerConfig(**GRPO_SAMPLER_DEFAULTS)
     eval_temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
@@ -272,6 +279,24 @@ FLOW_SFT_OBJECTIVE_DEFAULTS = {"sigma_sampling": "uniform", "cond_dropout": 0.1}
 # 16-pixel pixel-space DiT (σ shift 1: pixel space needs no shift towards noise).
 FLOW_SAMPLER_DEFAULTS = {"num_steps": 10, "shift": 1.0, "guidance_scale": 4.0}
 FLOW_GRPO_SAMPLER_DEFAULTS = {**FLOW_SAMPLER_DEFAULTS, "mode": "sde"}
+
+# ``policy.algorithm`` picks the flow RL method: Flow-GRPO (PPO on SDE-step log-probs) or a
+# forward-process one (DiffusionNFT, AWM, DGPO: trained on forward-noised clean samples).
+FlowPolicyConfig = Annotated[
+    FlowGRPOConfig | NFTConfig | AWMConfig | DGPOConfig, Field(discriminator="algorithm")
+]
+
+
+def flow_policy_defaults(policy: Any) -> Any:
+    """A ``policy`` section without ``algorithm`` is Flow-GRPO's (configs written before the
+    forward-process methods)."""
+    if policy is None:
+        return {"algorithm": "flow_grpo"}
+    if isinstance(policy, dict) and "algorithm" not in policy:
+        return {"algorithm": "flow_grpo", **policy}
+    return policy
+
+
 FLOW_GRPO_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
 
 
@@ -361,7 +386,7 @@ class FlowGRPORecipeConfig(RunConfig):
     # null: the task recorded in the model directory
     task: ImageTaskSection | PromptTaskSection | None = Field(default=None, discriminator="name")
     model: FlowPolicyModelSection = FlowPolicyModelSection()
-    policy: FlowGRPOConfig = FlowGRPOConfig()
+    policy: FlowPolicyConfig = FlowGRPOConfig()
     rewards: list[ImageRewardSection] = [ImageRewardSection()]
     sampler: FlowSamplerConfig = FlowSamplerConfig(**FLOW_GRPO_SAMPLER_DEFAULTS)
     optim: OptimConfig = OptimConfig(**FLOW_GRPO_OPTIM_DEFAULTS)
@@ -380,17 +405,26 @@ class FlowGRPORecipeConfig(RunConfig):
     @model_validator(mode="before")
     @classmethod
     def _recipe_defaults(cls, data: Any) -> Any:
-        sections = {"sampler": FLOW_GRPO_SAMPLER_DEFAULTS, "optim": FLOW_GRPO_OPTIM_DEFAULTS}
+        sampler = FLOW_GRPO_SAMPLER_DEFAULTS
+        if isinstance(data, dict):
+            policy = flow_policy_defaults(data.get("policy"))
+            data = {**data, "policy": policy}
+            algorithm = policy.get("algorithm") if isinstance(policy, dict) else None
+            if algorithm in FORWARD_ALGORITHMS or isinstance(policy, ForwardFlowConfig):
+                # the serving ODE sampler is the rollout; they train the unguided velocity
+                sampler = {**sampler, "mode": "ode", "guidance_scale": 1.0}
+        sections = {"sampler": sampler, "optim": FLOW_GRPO_OPTIM_DEFAULTS}
         if isinstance(data, dict) and isinstance(data.get("task"), dict):
             data = {**data, "task": {"name": "geneval", **data["task"]}}  # name defaults
         return _schedule_defaults(cls, data, sections, always=False, warmup_cap=0)
 
     @model_validator(mode="after")
     def _fail_closed(self) -> FlowGRPORecipeConfig:
-        if self.sampler.mode != "sde":
+        if self.sampler.mode != "sde" and self.policy.algorithm == "flow_grpo":
             raise ValueError(
-                "sampler.mode: rollouts need SDE steps (their log-probs are what is trained); "
-                "set mode: sde (evaluation always serves with the ODE sampler)"
+                "sampler.mode: Flow-GRPO rollouts need SDE steps (their log-probs are what is "
+                "trained); set mode: sde, or a forward-process policy.algorithm (nft, awm, "
+                "dgpo), which trains on the samples of any sampler"
             )
         if not self.rewards:
             raise ValueError("rewards: expected at least one reward term")
@@ -423,8 +457,11 @@ WORKFLOW_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
 class StageTrainSection(BaseModel):
     """How one workflow stage is trained: ``train: false`` freezes it (no optimizer, its
     weights version stays 0); its own ``optim`` (lr, schedule, clip); ``sampler``: overrides
-    of the workflow file's sampler settings for this stage's *rollouts* (``mode`` is always
-    ``sde``; e.g. ``sde_window``, ``noise_level``, ``kernels``, ``guidance_scale``).
+    of the workflow file's sampler settings for this stage's *rollouts* (Flow-GRPO's are
+    SDE; the forward-process methods roll out with the file's serving sampler as it is; e.g.
+    ``sde_window``, ``noise_level``, ``kernels``, ``guidance_scale``). ``policy``: this
+    stage's objective in place of the run's ``policy`` (e.g. a forward-process method on one
+    stage only; every stage takes the same ``num_iterations``).
     ``ema_decay``: keep an exponential moving average of the stage's weights (updated after
     every step; rollouts still use the live weights), which evaluation serves and the model
     directory saves."""
@@ -435,11 +472,15 @@ class StageTrainSection(BaseModel):
     optim: OptimConfig = OptimConfig(**WORKFLOW_OPTIM_DEFAULTS)
     sampler: dict[str, Any] = {}
     ema_decay: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False)
+    policy: FlowPolicyConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _optim_defaults(cls, data: Any) -> Any:
-        return with_section_defaults(data, {"optim": WORKFLOW_OPTIM_DEFAULTS})
+        data = with_section_defaults(data, {"optim": WORKFLOW_OPTIM_DEFAULTS})
+        if isinstance(data, dict) and data.get("policy") is not None:
+            data = {**data, "policy": flow_policy_defaults(data["policy"])}
+        return data
 
     @field_validator("sampler")
     @classmethod
@@ -450,14 +491,12 @@ class StageTrainSection(BaseModel):
                 f"unknown sampler setting {unknown[0]!r}; settings: "
                 f"{', '.join(FlowSamplerConfig.model_fields)}"
             )
-        if value.get("mode", "sde") != "sde":
-            raise ValueError("mode: rollouts need SDE steps; leave mode out (it is sde)")
         return value
 
 
 class WorkflowRLRecipeConfig(RunConfig):
     """``diffusion-rl workflow-rl``: Flow-GRPO on every stage of a workflow from one final
-    reward, with tree rollouts.
+    reward, with tree rollouts (or a forward-process method: ``policy.algorithm``).
 
     ``workflow``: a workflow file or a built-in name (its stages' model directories and
     serving samplers, and the task its prompts come from). Per step, ``prompts_per_step``
@@ -465,8 +504,8 @@ class WorkflowRLRecipeConfig(RunConfig):
     ``fanout`` samples per input row (default: the workflow file's ``fanout``; the video
     stage's advantage is computed among the K videos of one image, the image stage's from the
     mean final reward of its videos; K = 1 shares one advantage). ``stages.NAME`` trains,
-    freezes and tunes each stage; ``policy`` is the Flow-GRPO objective of every trained
-    stage. Evaluation serves the workflow with its own samplers at fixed seeds.
+    freezes and tunes each stage; ``policy`` is the objective of every trained stage
+    (Flow-GRPO, or a forward-process method: docs/math.md §5.8) unless a stage sets its own. Evaluation serves the workflow with its own samplers at fixed seeds.
     """
 
     output_dir: str = "runs/workflow_rl"
@@ -476,13 +515,25 @@ class WorkflowRLRecipeConfig(RunConfig):
     workflow: str = "text-to-image-to-video"
     stages: dict[str, StageTrainSection] = {}
     fanout: dict[str, int] = {}
-    policy: FlowGRPOConfig = FlowGRPOConfig()
+    policy: FlowPolicyConfig = FlowGRPOConfig()
     rewards: list[VideoRewardSection] = [VideoRewardSection()]
     prompts_per_step: int = Field(default=2, gt=0)
     group_size: int = Field(default=4, gt=1)
     allow_off_policy: bool = False
     eval_samples_per_prompt: int = Field(default=2, gt=0)
     preview_clips: int = Field(default=8, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {**data, "policy": flow_policy_defaults(data.get("policy"))}
+        return data
+
+    def stage_policy(self, name: str):
+        """The objective of stage ``name``: its own ``stages.NAME.policy``, else ``policy``."""
+        stage = self.stages.get(name)
+        return stage.policy if stage is not None and stage.policy is not None else self.policy
 
     @model_validator(mode="after")
     def _fail_closed(self) -> WorkflowRLRecipeConfig:

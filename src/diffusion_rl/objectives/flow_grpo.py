@@ -54,6 +54,7 @@ class FlowGRPOConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    algorithm: Literal["flow_grpo"] = "flow_grpo"
     clip_range: float = Field(default=1e-4, gt=0.0, lt=1.0, allow_inf_nan=False)
     beta: float = Field(default=0.004, ge=0.0, allow_inf_nan=False)
     kl: Literal["exact", "flow_grpo"] = "exact"
@@ -120,7 +121,7 @@ class FlowGRPOLoss:
         self.reduction = reduction
 
     def metadata(self) -> dict:
-        return {"name": self.name, "version": 1, **self.config.model_dump()}
+        return {"name": self.name, "version": 1, **self.config.model_dump(exclude={"algorithm"})}
 
     def __call__(self, scores, batch: FlowStepBatch) -> LossOutput:
         cfg = self.config

@@ -43,11 +43,10 @@ from typing import Any
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ..config import ConfigError, FlowGRPORecipeConfig, prompt_task_reward_problems
-from ..objectives.flow_grpo import FlowGRPOLoss
 from ..rewards import CombinedReward, get_reward
 from ..rollout import FlowSource
 from ..train.learner import PolicyLearner
-from ..train.plans import FlowPolicyPlan
+from ..train.plans import flow_plan
 from ..train.roles import PolicyRoles
 from .common import (
     FlowActor,
@@ -70,6 +69,8 @@ from .common import (
     with_lora,
 )
 from .run import OnPolicyRecipe, run
+
+METHOD_NAMES = {"flow_grpo": "Flow-GRPO", "nft": "DiffusionNFT", "awm": "AWM", "dgpo": "DGPO"}
 
 
 class FlowGRPORecipe(OnPolicyRecipe):
@@ -109,20 +110,29 @@ class FlowGRPORecipe(OnPolicyRecipe):
                 check_model_takes_prompts(loaded.model, task, "model.path")
             model = with_lora(loaded.model, config.model, "model", config.seed)
             self.actor = FlowActor(model, "builtin", start)
-        self.title = f"Flow-GRPO on {task.name}"
+        method = METHOD_NAMES[policy.algorithm]
+        self.title = f"{method} on {task.name}"
+        if policy.algorithm != "flow_grpo":  # the forward-process methods' own diagnostics
+            prefix = policy.algorithm
+            self.curves = ("rollout/reward_mean", "eval/accuracy", f"{prefix}/policy_loss")
+            self.prompt_curves = (
+                "rollout/reward_mean",
+                "eval/reward_mean",
+                f"{prefix}/policy_loss",
+            )
         if not self.verified:
             self.curves = self.prompt_curves
-            self.title = f"Flow-GRPO on the prompts of {Path(task.config.path).name}"
+            self.title = f"{method} on the prompts of {Path(task.config.path).name}"
         self.actor.check_activation_checkpointing(config.activation_checkpointing)
         self.model = model = self.actor.model.to(config.device)
         # with a LoRA the reference is the actor with its LoRA off (no copy; PolicyRoles)
         self.roles = PolicyRoles(
             model, reference=policy.uses_reference, offload_device=config.offload_device
         )
-        loss = FlowGRPOLoss(policy, reduction=sampler.reduction)
+        plan = flow_plan(policy, reduction=sampler.reduction, seed=config.seed)
         self.learner = PolicyLearner(
             self.roles,
-            FlowPolicyPlan(loss, seed=config.seed),
+            plan,
             trainer_factory(config),
             allow_off_policy=config.allow_off_policy,
             seed=config.seed,
@@ -146,7 +156,7 @@ class FlowGRPORecipe(OnPolicyRecipe):
         # (actor metadata), not hashed on every start
         full_pipeline = self.actor.pipeline and model.lora is None
         self.metadata = {
-            "objective": loss.metadata(),
+            "objective": plan.objective.metadata(),
             "sampler": sampler.model_dump(mode="json"),
             "model": self.actor.metadata(),
             "task": task.info(),
@@ -170,7 +180,7 @@ class FlowGRPORecipe(OnPolicyRecipe):
             sizes = [len(self.task.prompts(split)) for split in ("train", "eval")]
             task = f"the prompts of {self.task.config.path} ({sizes[0]} train, {sizes[1]} held out)"
         return (
-            f"flow-grpo on {task}: {self.actor.describe()}, "
+            f"flow-grpo ({METHOD_NAMES[cfg.policy.algorithm]}) on {task}: {self.actor.describe()}, "
             f"{cfg.prompts_per_step}×{cfg.group_size} rollouts per step, rewards {self.reward_fn!r}"
         )
 

@@ -248,11 +248,15 @@ class OnPolicyRecipe(Recipe):
         return {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
 
     def state(self) -> dict[str, Any]:
-        return {"position": self.position, "weights_version": self.roles.version}
+        state = {"position": self.position, "weights_version": self.roles.version}
+        rollout = self.roles.rollout_state()  # rollout weights that lag the actor
+        if rollout is not None:
+            state["rollout_weights"] = rollout
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
-        self.roles.restore(int(state["weights_version"]))
+        self.roles.restore(int(state["weights_version"]), state.get("rollout_weights"))
 
 
 def prologue(config: Any) -> Path:

@@ -38,7 +38,6 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from ..config import ConfigError, WorkflowRLRecipeConfig
 from ..evaluation import evaluate_workflow
 from ..models.io import save_model
-from ..objectives.flow_grpo import FlowGRPOLoss
 from ..plots import plot_curve_groups, save_video_gif, save_video_strip
 from ..rewards import CombinedReward, get_reward
 from ..rollout import collect_workflow_rollout
@@ -46,7 +45,7 @@ from ..sampling.flow import FlowSamplerConfig
 from ..tasks.motion import MotionTask
 from ..train.learner import LearnerStage, PolicyLearner
 from ..train.parallel import run_parallel
-from ..train.plans import FlowPolicyPlan
+from ..train.plans import flow_plan
 from ..train.roles import PolicyRoles, frozen_copy
 from ..train.trainer import OptimConfig, Trainer
 from ..workflows import Workflow, WorkflowError, load_stage_model, load_workflow_spec
@@ -99,24 +98,23 @@ class WorkflowRLRecipe(Recipe):
                     f"stages.{name}.ema_decay: the stage is frozen (train: false), so there is "
                     "nothing to average; drop ema_decay or train the stage"
                 )
+        policies = {name: config.stage_policy(name) for name in names}
         self.rollout_samplers = {
-            stage.name: _rollout_sampler(stage, settings[stage.name]) for stage in spec.stages
+            stage.name: _rollout_sampler(stage, settings[stage.name], policies[stage.name])
+            for stage in spec.stages
         }
         self.fanout = {s.name: config.fanout.get(s.name, s.fanout) for s in spec.stages[1:]}
         self.roles = {
-            name: PolicyRoles(models[name], reference=config.policy.uses_reference)
+            name: PolicyRoles(models[name], reference=policies[name].uses_reference)
             for name in self.trained
         }
-        stages = {
-            name: LearnerStage(
-                self.roles[name],
-                FlowPolicyPlan(
-                    FlowGRPOLoss(config.policy, reduction=self.rollout_samplers[name].reduction),
-                    seed=config.seed,
-                ),
+        plans = {
+            name: flow_plan(
+                policies[name], reduction=self.rollout_samplers[name].reduction, seed=config.seed
             )
             for name in self.trained
         }
+        stages = {name: LearnerStage(self.roles[name], plans[name]) for name in self.trained}
         optims = {
             name: (settings[name].optim if settings[name] else OptimConfig(lr=1e-4, grad_clip=1.0))
             for name in self.trained
@@ -161,7 +159,7 @@ class WorkflowRLRecipe(Recipe):
         )
         self.image_task = self.task.image_task()
         self.metadata = {
-            "objective": FlowGRPOLoss(config.policy).metadata(),
+            "objective": flow_plan(config.policy, reduction="mean").objective.metadata(),
             "workflow": spec.model_dump(mode="json", exclude={"stages": {"__all__": {"model"}}}),
             "trained": self.trained,
             "samplers": {k: v.model_dump(mode="json") for k, v in self.rollout_samplers.items()},
@@ -171,6 +169,9 @@ class WorkflowRLRecipe(Recipe):
             "fanout": self.fanout,
             "prompts_per_step": config.prompts_per_step,
         }
+        own = {n: p.objective.metadata() for n, p in plans.items() if policies[n] != config.policy}
+        if own:  # stages with their own objective
+            self.metadata["stage_objectives"] = own
         self.out = Path(config.output_dir)
 
     # ------------------------------------------------------------------ the loop's hooks
@@ -257,12 +258,17 @@ class WorkflowRLRecipe(Recipe):
         state = {"position": self.position, "versions": self.versions()}
         if self.ema:
             state["ema"] = {name: average.state_dict() for name, average in self.ema.items()}
+        lagging = {name: roles.rollout_state() for name, roles in self.roles.items()}
+        lagging = {name: weights for name, weights in lagging.items() if weights is not None}
+        if lagging:  # rollout weights that lag their actor (the forward-process methods)
+            state["rollout_weights"] = lagging
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
+        lagging = state.get("rollout_weights", {})
         for name, roles in self.roles.items():
-            roles.restore(int(state["versions"][name]))
+            roles.restore(int(state["versions"][name]), lagging.get(name))
         for name, average in self.ema.items():
             average.load_state_dict(state["ema"][name])
 
@@ -315,13 +321,21 @@ class WorkflowRLRecipe(Recipe):
         }
 
 
-def _rollout_sampler(stage, settings) -> FlowSamplerConfig:
-    """The stage's sampler from the workflow file as SDE, with this run's overrides
-    (``stages.NAME.sampler``); a bad value is a ConfigError naming the key."""
+def _rollout_sampler(stage, settings, policy) -> FlowSamplerConfig:
+    """The stage's rollout sampler: the workflow file's serving sampler (as SDE for
+    Flow-GRPO, whose rollouts need SDE steps; as it is for the forward-process methods), with
+    this run's overrides (``stages.NAME.sampler``); a bad value is a ConfigError naming the
+    key."""
     overrides = settings.sampler if settings is not None else {}
+    sde = policy.algorithm == "flow_grpo"
+    if sde and overrides.get("mode", "sde") != "sde":
+        raise ConfigError(
+            f"stages.{stage.name}.sampler.mode: Flow-GRPO rollouts need SDE steps; leave mode "
+            "out (it is sde), or train the stage with a forward-process policy.algorithm"
+        )
     try:
         return FlowSamplerConfig.model_validate(
-            {**stage.sampler.model_dump(), "mode": "sde", **overrides}
+            {**stage.sampler.model_dump(), **({"mode": "sde"} if sde else {}), **overrides}
         )
     except ValidationError as error:
         item = error.errors()[0]

@@ -7,6 +7,7 @@ from .estimators import (
     CoupledEstimator,
     ELBOEstimator,
     MeanFieldEstimator,
+    SPGEstimator,
     TraceScorer,
     make_scorer,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "PackedReplayScorer",
     "ReplayScorer",
     "ReplayScores",
+    "SPGEstimator",
     "TeacherScorer",
     "TraceScorer",
     "VocabularyMismatchError",

@@ -13,16 +13,19 @@ which), :meth:`PolicyLearner.step`
 5. runs μ trainer steps; each scores the live actor with gradient on every micro-batch and
    applies the objective (``loss(scores, batch) -> LossOutput``); the attached scores stay
    fixed across them (μ = 1: ``ℓold = stop_grad(ℓθ)``, every ratio exactly 1);
-6. syncs the rollout weights (version v + 1).
+6. syncs the rollout weights (version v + 1): a copy of the actor, or, for plans whose old
+   policy lags (``rollout_decay``), a moving average toward it.
 
 Live, reference and old policy are scored by the same plan on the same micro-batches, so they
 see the same states, actions and shapes: before any update the ratio is 1 and the parity
 ``|ℓold − ℓβ|`` is 0.
 
 A world plugs in through a :class:`LearnerPlan` (see :mod:`diffusion_rl.train.plans`): the
-token GRPO family, Flow-GRPO and on-policy distillation are three small plans on this one
-loop. Everything a step needs passes through arguments: ``pin`` returns the settings, the
-micro-batch index travels with its batch. Stochastic estimators draw per row from keys the
+token GRPO family, Flow-GRPO, on-policy distillation and the forward-process flow methods
+(DiffusionNFT, AWM, DGPO; their old policy is the rollout weights themselves, scored when
+``uses_rollout_weights``) are four small plans on this one loop. Everything a step needs
+passes through arguments: ``pin`` returns the settings, the micro-batch index travels with
+its batch. Stochastic estimators draw per row from keys the
 plan attaches (trace seed, rollout step), so every pass, inner iteration and micro-batch split
 sees the same draws; the per-micro-batch generator serves only keyless estimators.
 """
@@ -53,12 +56,18 @@ class LearnerPlan(Protocol):
     * ``pin(trace) -> settings``: what the trace says about how to score it.
     * ``batches(rollout, settings, rollout_step=, micro_batch_size=) -> list[Batch]``.
     * ``score(model, batch, settings, live=, generator=) -> Scores`` (``live``: with gradient).
-    * ``attach(batch, reference, old) -> Batch``: the frozen scores (or None) into the batch.
+    * ``uses_rollout_weights``: also score ``roles.rollout`` (the weights that sampled the
+      rollout: the old policy of the forward-process flow methods) and attach it.
+    * ``attach(batch, reference, old, sampler) -> Batch``: the frozen scores (or None) into
+      the batch (``old``: the start-of-step snapshot; ``sampler``: the rollout weights).
     * ``loss(scores, batch) -> LossOutput``.
+    * ``rollout_decay(step) -> float``: how the rollout weights follow the actor after learner
+      step ``step``: 0 copies them, ``d > 0`` makes them ``d · rollout + (1 − d) · actor``.
     """
 
     num_iterations: int
     uses_reference: bool
+    uses_rollout_weights: bool
     metric_prefix: str | None
 
     def check(self, roles: PolicyRoles) -> None: ...
@@ -73,9 +82,13 @@ class LearnerPlan(Protocol):
         self, model: torch.nn.Module, batch: Any, settings: Any, *, live: bool, generator
     ) -> Any: ...
 
-    def attach(self, batch: Any, reference: Any | None, old: Any | None) -> Any: ...
+    def attach(
+        self, batch: Any, reference: Any | None, old: Any | None, sampler: Any | None
+    ) -> Any: ...
 
     def loss(self, scores: Any, batch: Any) -> LossOutput: ...
+
+    def rollout_decay(self, step: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -346,9 +359,14 @@ class PolicyLearner:
                 if self.num_iterations > 1
                 else none
             )
+            sampler = (
+                self._score_frozen(roles, plan, roles.rollout, own, settings[name], rollout_step)
+                if plan.uses_rollout_weights
+                else none
+            )
             micro += [
-                MicroBatch(m.index, plan.attach(m.batch, r, o), name, m.ghost)
-                for m, r, o in zip(own, reference, old)
+                MicroBatch(m.index, plan.attach(m.batch, r, o, s), name, m.ghost)
+                for m, r, o, s in zip(own, reference, old, sampler)
             ]
         loss_fn = functools.partial(self._live_loss, settings=settings, rollout_step=rollout_step)
         prefixes = {stage.plan.metric_prefix for stage in self.stages.values()} - {None}
@@ -365,7 +383,10 @@ class PolicyLearner:
             count = sum(m.part == name and not m.ghost for m in micro)
             count = self.trainer.world.sum([count])[0]  # every rank's (one process: its own)
             metrics[f"{tag}learner/micro_batches"] = float(count)
-            metrics[f"{tag}weights_version"] = float(stage.roles.sync_rollout())
+            decay = stage.plan.rollout_decay(rollout_step + 1)
+            metrics[f"{tag}weights_version"] = float(stage.roles.sync_rollout(decay))
+            if decay:
+                metrics[f"{tag}learner/old_policy_decay"] = decay
             metrics.update({f"{tag}{k}": v for k, v in rollouts[name].stats.items()})
         return metrics
 

@@ -12,6 +12,12 @@
 * :class:`DistillationPlan` — on-policy distillation: the *reference* role is the teacher,
   whose logits on the student's own states are attached as a
   :class:`~diffusion_rl.contracts.DiffusionDistillationBatch`.
+* :class:`ForwardFlowPlan` — DiffusionNFT, AWM and DGPO on flow traces of any sampler (the
+  serving ODE by default): each row's clean sample noised again at K timesteps drawn from
+  the row's key ``(trace seed, seed, rollout step)`` (a group's key, where the method shares
+  them), as :class:`~diffusion_rl.contracts.FlowForwardBatch` micro-batches of whole rows
+  (of whole groups for DGPO); every role scores one conditional velocity forward there, and
+  the old policy is the rollout weights, which lag the actor.
 
 Each plan's ``score`` is the only place its world's scorer is built, for all three roles.
 """
@@ -22,16 +28,29 @@ import dataclasses
 
 import torch
 
-from ..contracts import DiffusionDistillationBatch, DiffusionTokenBatch, FlowStepBatch, LossOutput
+from ..contracts import (
+    DiffusionDistillationBatch,
+    DiffusionTokenBatch,
+    FlowForwardBatch,
+    FlowStepBatch,
+    LossOutput,
+)
 from ..kernels import KERNELS
 from ..objectives.distill import DistillationLoss
 from ..objectives.flow_grpo import FlowGRPOLoss
+from ..objectives.forward_flow import (
+    DGPOLoss,
+    ForwardScores,
+    draw_timesteps,
+    forward_flow_loss,
+    old_policy_decay,
+)
 from ..objectives.grpo import PolicyLoss
 from ..scoring.estimators import make_scorer
 from ..scoring.flow import FlowReplayScorer, FlowStepScores
 from ..scoring.replay import ReplayScorer, ReplayScores
 from ..scoring.teacher import TeacherScorer, check_same_vocabulary
-from ..seeding import noise_keys
+from ..seeding import RowStreams, noise_keys
 from ..trace import FlowTrace, TokenTrace
 from .roles import PolicyRoles
 
@@ -51,9 +70,19 @@ def _check_trace(trace, kind: type) -> None:
         raise TypeError(f"trace: expected a {kind.__name__}, got {type(trace).__name__}")
 
 
-class TokenPolicyPlan:
+class _CopiedRollout:
+    """The rollout weights are a copy of the actor after every step (the on-policy plans)."""
+
+    uses_rollout_weights = False
+
+    def rollout_decay(self, step: int) -> float:
+        return 0.0
+
+
+class TokenPolicyPlan(_CopiedRollout):
     """The GRPO family on :class:`TokenTrace` rollouts (``scorer``: exact, packed, mean_field,
-    coupled or elbo; ``post_stop_weight``: the weight of actions after the stop token)."""
+    coupled, elbo or spg; ``post_stop_weight``: the weight of actions after the stop token).
+    ``spg`` masks block-wise with the trace's ``sampler["block_size"]``, pinned here."""
 
     metric_prefix = "policy/"
 
@@ -83,6 +112,8 @@ class TokenPolicyPlan:
         }
         if self.scorer == "exact":
             settings.update(ReplayScorer.trace_options(trace))
+        elif self.scorer == "spg":  # block-wise masks follow the sampler's blocks
+            settings["block_size"] = trace.sampler.get("block_size")
         return settings
 
     def batches(self, rollout, settings, *, rollout_step, micro_batch_size):
@@ -103,7 +134,7 @@ class TokenPolicyPlan:
             options.pop("kernel_id")
         return make_scorer(self.scorer, model, **options).score(batch, generator)
 
-    def attach(self, batch: DiffusionTokenBatch, reference, old) -> DiffusionTokenBatch:
+    def attach(self, batch: DiffusionTokenBatch, reference, old, sampler=None):
         extra = {}
         if reference is not None:
             extra["ref_logprobs"] = reference.logprobs
@@ -116,7 +147,7 @@ class TokenPolicyPlan:
         return self.objective(scores, batch)
 
 
-class FlowPolicyPlan:
+class FlowPolicyPlan(_CopiedRollout):
     """Flow-GRPO on :class:`FlowTrace` rollouts; ``seed`` keys the choice of trained steps."""
 
     metric_prefix = "flow_grpo/"
@@ -165,7 +196,7 @@ class FlowPolicyPlan:
     def score(self, model, batch: FlowStepBatch, settings, *, live, generator) -> FlowStepScores:
         return FlowReplayScorer(model, **settings, stop_gradient=not live).score(batch)
 
-    def attach(self, batch: FlowStepBatch, reference, old) -> FlowStepBatch:
+    def attach(self, batch: FlowStepBatch, reference, old, sampler=None) -> FlowStepBatch:
         return dataclasses.replace(
             batch,
             ref_means=None if reference is None else reference.means,
@@ -176,7 +207,7 @@ class FlowPolicyPlan:
         return self.objective(scores, batch)
 
 
-class DistillationPlan:
+class DistillationPlan(_CopiedRollout):
     """On-policy distillation on the student's :class:`TokenTrace` rollouts; ``roles.actor``
     is the student, ``roles.reference`` the teacher (any target-aligned token denoiser with
     the student's vocabulary). μ = 1: the student's own rollouts, one step each."""
@@ -210,8 +241,117 @@ class DistillationPlan:
             return ReplayScorer.for_trace(model, trace, return_logits=True).score(student)
         return TeacherScorer.for_trace(model, trace).score(batch)
 
-    def attach(self, batch: DiffusionTokenBatch, reference, old) -> DiffusionDistillationBatch:
+    def attach(self, batch: DiffusionTokenBatch, reference, old, sampler=None):
         return DiffusionDistillationBatch(batch, reference.logits)
 
     def loss(self, scores: ReplayScores, batch: DiffusionDistillationBatch) -> LossOutput:
         return self.objective(scores, batch)
+
+
+class ForwardFlowPlan:
+    """DiffusionNFT / AWM / DGPO on :class:`FlowTrace` rollouts (module doc); ``seed`` keys
+    the forward-process draws. Under several processes a row's draws are its own (so ranks
+    may cut groups), but group-shared draws and DGPO's group loss need whole groups: they
+    are refused on a sharded rollout."""
+
+    def __init__(self, loss, *, seed: int = 0) -> None:
+        self.objective = loss
+        self.seed = seed
+        config = loss.config
+        self.metric_prefix = f"{loss.name}/"
+        self.num_iterations = config.num_iterations
+        self.uses_reference = loss.uses_reference
+        self.uses_rollout_weights = loss.name != "awm" or config.ema_beta > 0
+        self.whole_groups = isinstance(loss, DGPOLoss)
+
+    def check(self, roles: PolicyRoles) -> None:
+        return None
+
+    def rollout_decay(self, step: int) -> float:
+        return old_policy_decay(self.objective.config, step)
+
+    def pin(self, trace: FlowTrace) -> dict:
+        _check_trace(trace, FlowTrace)
+        return {"grid": trace.sigmas[:-1]}
+
+    def draws(self, trace: FlowTrace, group_size: int, grid: torch.Tensor, rollout_step: int):
+        """``(σ [B, K], ε [B, K, *latent])`` float32: row b's timesteps from stream
+        ``noise_key(seed, rollout_step, 0, key_b)`` and its noise (``randn`` K times) from
+        ``noise_key(seed, rollout_step, 1, key_b)``, ``key_b`` its trace seed, or its group's
+        first trace seed for what the method shares within a group."""
+        config = self.objective.config
+        seeds = trace.seeds
+        firsts = seeds[(torch.arange(len(trace)) // group_size) * group_size]
+        timestep_keys = firsts if config.shared_timesteps else seeds
+        noise_keys_ = firsts if config.shared_noise else seeds
+        sigma = draw_timesteps(
+            RowStreams(noise_keys(timestep_keys, self.seed, rollout_step, 0)), grid, config
+        )
+        streams = RowStreams(noise_keys(noise_keys_, self.seed, rollout_step, 1))
+        noise = streams.randn(config.timesteps_per_sample, *trace.latent_shape)
+        return sigma, noise
+
+    def batches(self, rollout, settings, *, rollout_step, micro_batch_size):
+        config = self.objective.config
+        if rollout.advantages is None:
+            raise ValueError("rollout: it carries no advantages; collect it with an AdvantageSpec")
+        grouped = self.whole_groups or config.shared_timesteps or config.shared_noise
+        if rollout.shard and grouped:
+            raise ValueError(
+                f"policy.algorithm {self.objective.name!r}: group-shared timesteps / noise and "
+                "DGPO's group loss need every group in one process; under several processes "
+                "use nft or awm with shared_timesteps and shared_noise false"
+            )
+        trace, size = rollout.trace, rollout.group_size
+        sigma, noise = self.draws(trace, size, settings["grid"], rollout_step)
+        rows, k = len(trace), config.timesteps_per_sample
+        step = micro_batch_size or rows
+        if self.whole_groups:
+            step = -(-step // size) * size  # whole groups per micro-batch
+        x0 = trace.latents[:, -1].float()
+        device = x0.device
+        batches = []
+        for start in range(0, rows, step):
+            picked = torch.arange(start, min(rows, start + step))
+            index = picked.repeat_interleave(k)  # row-major items: (row, slot)
+            slots = torch.arange(k).repeat(len(picked))
+            s = sigma[picked].reshape(-1).to(device)
+            e = noise[picked].reshape(-1, *trace.latent_shape).to(device)
+            clean = x0[index.to(device)]
+            view = s.view(-1, *([1] * (clean.dim() - 1)))
+            batches.append(
+                FlowForwardBatch(
+                    rows=index,
+                    groups=index // size,
+                    slots=slots,
+                    x0=clean,
+                    noise=e,
+                    sigma=s,
+                    noisy=(1 - view) * clean + view * e,
+                    cond={key: value[index.to(value.device)] for key, value in trace.cond.items()},
+                    advantages=rollout.advantages[index].float().to(device),
+                )
+            )
+        return batches
+
+    def score(self, model, batch: FlowForwardBatch, settings, *, live, generator) -> ForwardScores:
+        return ForwardScores(model(batch.noisy, batch.sigma, batch.cond).float())
+
+    def attach(self, batch: FlowForwardBatch, reference, old, sampler=None) -> FlowForwardBatch:
+        return dataclasses.replace(
+            batch,
+            ref_velocity=None if reference is None else reference.velocity,
+            snapshot_velocity=None if old is None else old.velocity,
+            old_velocity=None if sampler is None else sampler.velocity,
+        )
+
+    def loss(self, scores: ForwardScores, batch: FlowForwardBatch) -> LossOutput:
+        return self.objective(scores, batch)
+
+
+def flow_plan(policy, *, reduction: str, seed: int = 0) -> FlowPolicyPlan | ForwardFlowPlan:
+    """The plan of a flow ``policy`` config (``policy.algorithm``): Flow-GRPO's on the SDE
+    steps (``reduction``: the sampler's log-prob reduction), or a forward-process one."""
+    if policy.algorithm == "flow_grpo":
+        return FlowPolicyPlan(FlowGRPOLoss(policy, reduction=reduction), seed=seed)
+    return ForwardFlowPlan(forward_flow_loss(policy), seed=seed)

@@ -9,7 +9,9 @@
 * **rollout weights** — what the sampler runs; an in-memory copy synced from the actor, whose
   ``version`` increases by one on every sync. Every trace carries the version it was sampled
   with; the learner refuses a trace whose version is not the current one unless off-policy
-  use is explicitly allowed.
+  use is explicitly allowed. For the forward-process flow methods they are instead the
+  *old policy* that lags the actor, a moving average updated on every sync
+  (``sync_rollout(decay)``), which checkpoints keep.
 
 Frozen copies (rollout weights, snapshot, the reference of a full fine-tune) share the
 actor's frozen parameters and buffers (:func:`frozen_copy`): memory grows by the trainable
@@ -149,6 +151,7 @@ class PolicyRoles:
         else:
             self.reference = frozen_copy(actor, offload_device) if reference else None
         self.rollout = frozen_copy(actor)
+        self.rollout_lags = False  # the rollout weights are a moving average, not a copy
         self.version = version
         self._snapshot: nn.Module | None = None
         self.snapshot_version: int | None = None
@@ -190,15 +193,59 @@ class PolicyRoles:
         else:  # a collective: every rank gathers the actor's shards
             self.parallel.gather_into(self.rollout, self.actor)
 
-    def sync_rollout(self) -> int:
-        """Copy the actor's weights into the rollout model (in memory); returns the new version."""
+    def _owned_rollout(self) -> dict[str, torch.Tensor]:
+        """The rollout weights' own tensors (what a sync writes), by state-dict name."""
+        if self.parallel is not None:
+            return {n: p for n, p in self.rollout.named_parameters() if p.requires_grad}
+        actor = self.actor.state_dict(keep_vars=True)
+        return {
+            name: tensor
+            for name, tensor in self.rollout.state_dict(keep_vars=True).items()
+            if tensor is not actor[name]
+        }
+
+    def sync_rollout(self, decay: float = 0.0) -> int:
+        """The rollout weights become the actor's (``decay`` 0: a copy, in memory) or, for
+        ``0 < decay < 1``, the moving average ``decay · rollout + (1 − decay) · actor`` of
+        their floating tensors (an old policy that lags the actor: the forward-process flow
+        methods); returns the new version."""
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay: expected 0 <= decay < 1, got {decay}")
+        previous = None
+        if decay > 0:
+            previous = {n: t.detach().clone() for n, t in self._owned_rollout().items()}
         self._copy_to_rollout()
+        if previous is not None:
+            with torch.no_grad():
+                for name, tensor in self._owned_rollout().items():
+                    if tensor.is_floating_point():
+                        tensor.lerp_(previous[name].to(tensor.device), decay)
+            self.rollout_lags = True
         self.version += 1
         return self.version
 
-    def restore(self, version: int) -> None:
-        """After a resume: the rollout weights are the (restored) actor's, at ``version``."""
+    def rollout_state(self) -> dict[str, torch.Tensor] | None:
+        """The rollout weights' own tensors when they lag the actor (checkpoints keep them),
+        else None (they are the actor's)."""
+        if not self.rollout_lags:
+            return None
+        return {n: t.detach().to("cpu", copy=True) for n, t in self._owned_rollout().items()}
+
+    def restore(self, version: int, rollout: dict[str, torch.Tensor] | None = None) -> None:
+        """After a resume: the rollout weights are the (restored) actor's, or the saved
+        ``rollout`` tensors (:meth:`rollout_state`) when they lagged, at ``version``."""
         self._copy_to_rollout()
+        if rollout is not None:
+            owned = self._owned_rollout()
+            if set(owned) != set(rollout):
+                raise ValueError(
+                    "rollout: the checkpoint's rollout weights do not match this model "
+                    f"({sorted(set(owned) ^ set(rollout))[:3]} differ)"
+                )
+            with torch.no_grad():
+                for name, tensor in owned.items():
+                    tensor.copy_(rollout[name].to(tensor.device, tensor.dtype))
+            self.rollout_lags = True
         self.version = version
 
     def take_snapshot(self) -> nn.Module:
