@@ -12,8 +12,10 @@ untouched. Never a silent resume.
 from __future__ import annotations
 
 import errno
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -565,6 +567,151 @@ def test_disk_full_keeps_previous_checkpoint(run, monkeypatch, point):
         assert "step_00000005 was not saved (its partial copy was removed)" in message
     assert after == before
     assert_resumed_from(directory, saved, 4)
+
+
+class _FillingDisk:
+    """``open`` for the checkpoint writer on a disk with ``free`` bytes left: a write that
+    does not fit writes what fits, then raises ENOSPC, as a file system does. Behind
+    ``torch.save`` the zip writer then raises its own ``RuntimeError: [enforce fail at
+    inline_container.cc:...] unexpected pos ...`` (the OSError only its context)."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def __call__(self, path, mode="r", *args, **kwargs):
+        handle = open(path, mode, *args, **kwargs)  # noqa: SIM115
+        if "w" not in mode:
+            return handle
+        disk, real_write = self, handle.write
+
+        def write(data) -> int:
+            room = min(len(data), disk.free)
+            if room:
+                real_write(bytes(memoryview(data)[:room]))
+                disk.free -= room
+            if room < len(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return room
+
+        handle.write = write
+        return handle
+
+
+def test_a_full_disk_inside_torch_save_is_a_disk_full_error_at_every_level(run, monkeypatch):
+    """At every level of free space, a save either completes or raises
+    CheckpointDiskFullError (never torch's RuntimeError), and the previous checkpoint stays
+    the loadable `latest`."""
+    directory, saved = run
+    trainer, _, _ = resume(directory)
+    trainer.train_step([batch(5)])
+    manager = CheckpointManager(directory, keep_last=10)
+    before = listing(directory)
+    weights = len((step_dir(directory, 4) / MODEL).read_bytes())  # written by safetensors
+    needed = sum(len(v) for k, v in before.items() if k.startswith("step_00000004/"))
+    seen = set()
+    for free in range(0, needed + 512, 97):
+        monkeypatch.setattr(ckpt, "open", _FillingDisk(free), raising=False)
+        try:
+            trainer.save_checkpoint(manager, METADATA, {"position": 5})
+        except CheckpointDiskFullError as error:
+            seen.add(type(error.__cause__).__name__)
+            message = str(error)
+            assert "disk full while writing checkpoint step_00000005" in message, message
+            assert "the previous checkpoint step_00000004 is intact" in message, message
+            assert "\n" not in message
+            assert (directory / "latest").read_text() == "step_00000004\n"
+            assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+            assert listing(directory) == before
+            continue
+        finally:
+            monkeypatch.undo()
+        assert free >= needed - weights - 1024, free  # it fitted only with room for it
+        break
+    else:
+        pytest.fail("no level of free space let the save complete")
+    # torch.save's zip writer reported the short write as a RuntimeError at some levels
+    assert "RuntimeError" in seen and "OSError" in seen, seen
+    assert_resumed_from(directory, {**saved, 5: params(trainer)}, 5)
+
+
+def test_the_zip_writers_runtime_error_alone_is_recognised():
+    """torch.save to a path reports a full disk as RuntimeError('... unexpected pos ...')
+    whose context is no OSError at all: the text alone says it."""
+    error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    error.__context__ = RuntimeError("basic_ios::clear: iostream error")
+    assert ckpt.is_disk_full(error)
+    assert ckpt.is_disk_full(
+        safetensors.SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+    )
+    assert not ckpt.is_disk_full(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def _mount_tmpfs(path: Path, size: int) -> bool:
+    """Mount a tmpfs of ``size`` bytes at ``path`` (root only); whether it worked."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    return done.returncode == 0
+
+
+def test_a_real_full_tmpfs_at_every_level_of_free_space(pristine, tmp_path):
+    """A real full disk: a small tmpfs filled up to leave 0, 1, 2, ... pages free. Every
+    save either completes or raises CheckpointDiskFullError, and the previous checkpoint
+    stays intact and loadable (needs root to mount; skipped otherwise)."""
+    mount = tmp_path / "tmpfs"
+    if not _mount_tmpfs(mount, 1 << 20):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        root, saved = pristine
+        directory = mount / "checkpoints"
+        directory.mkdir()
+        shutil.copytree(step_dir(root, 4), step_dir(directory, 4))
+        (directory / "latest").write_text("step_00000004\n")
+        trainer, _, _ = resume(directory)
+        trainer.train_step([batch(5)])
+        filler = mount / "filler"
+        outcomes = []
+        for pages in range(0, 64):
+            with open(filler, "wb", buffering=0) as handle:  # fill it, then free `pages`
+                try:
+                    while True:
+                        handle.write(b"\0" * 4096)
+                except OSError:
+                    pass
+            os.truncate(filler, max(0, filler.stat().st_size - pages * 4096))
+            manager = CheckpointManager(directory, keep_last=10)
+            try:
+                trainer.save_checkpoint(manager, METADATA, {"position": 5})
+            except CheckpointDiskFullError as error:
+                outcomes.append(type(error.__cause__).__name__)
+                message = str(error)
+                assert "the previous checkpoint step_00000004 is intact" in message
+                assert (directory / "latest").read_text() == "step_00000004\n"
+                names = sorted(p.name for p in directory.iterdir())
+                if "was written completely, but `latest` was not updated" in message:
+                    assert names == ["latest", "step_00000004", "step_00000005"]
+                    assert verify_files(step_dir(directory, 5)) == 5
+                else:
+                    assert "step_00000005 was not saved" in message
+                    assert names == ["latest", "step_00000004"]
+                continue
+            outcomes.append("saved")
+            break
+        assert outcomes[-1] == "saved" and len(outcomes) > 1, outcomes
+        filler.unlink()
+        assert_resumed_from(directory, {**saved, 5: params(trainer)}, 5)
+        shutil.rmtree(step_dir(directory, 5))
+        (directory / "latest").write_text("step_00000004\n")
+        assert_resumed_from(directory, saved, 4)
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
 
 
 # ----------------------------------------------------------------------------- staging

@@ -1,13 +1,16 @@
 """The ``diffusion-rl`` command line: every bad flag value is one line naming the flag, help
-covers every flag, ``--version``, ``--print-config``, ``--output`` formats, exit statuses."""
+covers every flag, ``--version``, ``--print-config``, ``--output`` formats, exit statuses;
+what it answers without importing torch; the sampler's block size from the model."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from importlib.metadata import version
@@ -43,6 +46,10 @@ def models(tmp_path_factory) -> dict[str, str]:
         image_size=16, patch_size=4, d_model=32, n_layers=1, n_heads=4, task=task
     )
     flow = save_model(root / "flow", FlowDiT(flow_config), {"sampler": {"num_steps": 2}})
+    # a block-causal model built for blocks of 8 whose directory records no sampler
+    block8 = save_model(
+        root / "tok8", tiny_model(block=8), {"task": info["task"]}, CharTokenizer(CHARS)
+    )
     broken = root / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
@@ -58,7 +65,13 @@ def models(tmp_path_factory) -> dict[str, str]:
             }
         )  # fmt: skip
     )
-    return {"T": str(token), "F": str(flow), "broken": str(broken), "huge": str(huge)}
+    return {
+        "T": str(token),
+        "F": str(flow),
+        "broken": str(broken),
+        "huge": str(huge),
+        "T8": str(block8),
+    }
 
 
 def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
@@ -297,7 +310,7 @@ def test_every_flag_of_every_command_has_help():
     parser = cli.build_parser()
     assert set(_subparsers(parser)) == {
         "quickstart", "sft", "grpo", "distill", "flow-sft", "flow-grpo", "workflow-rl",
-        "generate", "eval", "export", "serve",
+        "generate", "eval", "export", "serve", "verify",
     }  # fmt: skip
     assert undocumented(parser) == []
     # the walk finds what is missing: a flag, a subcommand without help
@@ -365,6 +378,105 @@ def test_the_installed_entry_point_prints_the_version():
         pytest.skip("the diffusion-rl entry point is not installed next to this interpreter")
     done = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == f"diffusion-rl {version('diffusion-rl')}\n"
+
+
+# ----------------------------------------------------------------------------- start-up
+# What the command line answers without importing torch (a fresh interpreter: the test
+# process has torch already). benchmarks/cli_start.py measures the CPU time of each.
+_NO_TORCH = """
+import contextlib, io, json, sys
+import diffusion_rl, diffusion_rl.cli, diffusion_rl.models.loading, diffusion_rl.config.loading
+from diffusion_rl.cli import main
+assert "torch" not in sys.modules, "importing the command line imported torch"
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+    results.append([code, out.getvalue(), err.getvalue(), "torch" in sys.modules])
+print(json.dumps(results))
+"""
+
+
+def test_version_help_hub_ids_and_bad_config_files_need_no_torch(tmp_path):
+    commands = sorted(_subparsers(cli.build_parser()))
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("steps: [1, 2\n")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("steps: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    cases = [
+        ["--version"],
+        ["--help"],
+        *[[name, "--help"] for name in commands],
+        ["generate", "--model", "org/name", "--prompt", "1+2="],
+        ["eval", "--model", "hf://org/name"],
+        ["sft", "--config", str(bad_yaml)],
+        ["sft", "--config", str(deep)],
+        ["grpo", "--set", "steps=" + "[" * 30_000],
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,  # no org/name directory here
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    for argv, (code, out, err, torch_imported) in zip(cases, results):
+        assert not torch_imported, argv
+        if "--help" in argv or argv == ["--version"]:
+            assert code == 0 and out and not err, argv
+            continue
+        assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
+    help_text = dict(zip(map(tuple, cases), results))
+    assert "--block-size BLOCK_SIZE" in help_text[("generate", "--help")][1]  # complete help
+    assert "default: 256" in help_text[("eval", "--help")][1]
+    *_, hub, hub_eval, syntax, nested, override = results
+    assert hub[2] == (
+        "diffusion-rl generate: error: --model: 'org/name' is not a local directory and looks "
+        "like a Hugging Face Hub id; nothing is downloaded. Pass a local directory: fetch it "
+        "first with `hf download org/name --local-dir DIR` (on a machine with network access) "
+        "and set --model to DIR\n"
+    )
+    assert hub_eval[2].startswith("diffusion-rl eval: error: --model: 'hf://org/name' is not")
+    assert syntax[2].startswith(f"diffusion-rl sft: error: {bad_yaml}:2:1: ")
+    assert nested[2] == (
+        f"diffusion-rl sft: error: {deep}:1:41: nested deeper than 32 levels of mappings and "
+        "lists\n"
+    )
+    assert override[2].startswith("diffusion-rl grpo: error: --set 'steps=[[[[[[[[[[[[[[[")
+    assert "nested deeper than 32 levels" in override[2] and len(override[2]) < 300
+
+
+def test_the_constants_help_shows_without_torch_agree_with_their_sources():
+    from diffusion_rl.cli import export
+    from diffusion_rl.models import io, lora
+    from diffusion_rl.sampling import TokenSamplerConfig
+
+    assert (export.CONFIG_FILE, export.INFO_FILE) == (io.CONFIG_FILE, io.INFO_FILE)
+    assert export.ADAPTER_FILE == lora.ADAPTER_FILE
+    assert TokenSamplerConfig().block_size == cli.flags.DEFAULT_BLOCK_SIZE
+    assert config.LIMITS["block_size"] == cli.flags.MAX_BLOCK_SIZE
+
+
+def test_cli_start_benchmark_reports_every_case(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "cli_start.py"), "--reps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(done.stdout.strip().splitlines()[-1])  # no timing asserted here
+    assert set(report["cases"]) >= {"--version", "--help", "sft --help", "eval --model org/name"}
+    assert report["any_imports_torch"] is False
+    assert all(
+        case["exit"] == (2 if "org/name" in name else 0) for name, case in report["cases"].items()
+    )
 
 
 # ----------------------------------------------------------------------------- print-config
@@ -470,7 +582,28 @@ def _failing_run(monkeypatch, error: BaseException) -> None:
             "checkpoint ck/step_5: optimizer.pt: content hash mismatch",
         ),
         (lambda: NonFiniteParametersError("blocks.0.w: NaN"), 1, "blocks.0.w: NaN"),
-        (lambda: OSError(28, "No space left on device"), 1, "[Errno 28] No space left on device"),
+        (
+            lambda: OSError(28, "No space left on device"),
+            1,
+            "disk full: [Errno 28] No space left on device; free space on that disk, then run it "
+            "again",
+        ),
+        (
+            lambda: RuntimeError(
+                "[enforce fail at inline_container.cc:672] . unexpected pos 7 vs 5"
+            ),
+            1,
+            "disk full: [enforce fail at inline_container.cc:672] . unexpected pos 7 vs 5; free "
+            "space on that disk, then run it again",
+        ),
+        (
+            lambda: __import__("safetensors").SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            ),
+            1,
+            "disk full: Error while serializing: I/O error: No space left on device (os error "
+            "28); free space on that disk, then run it again",
+        ),
         (lambda: config.ConfigError("optim.lr: must be finite"), 2, "optim.lr: must be finite"),
         (lambda: ValueError("task.name: unknown task"), 2, "task.name: unknown task"),
     ],
@@ -503,6 +636,87 @@ def test_interrupt_bug_and_debug(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("DIFFUSION_RL_DEBUG", "1")
     with pytest.raises(ValueError, match="bad value"):
         cli.main(argv)
+
+
+def test_interrupt_messages_are_said_once_with_the_signals_status(capsys, monkeypatch, tmp_path):
+    argv = ["sft", "--set", f"output_dir={tmp_path / 'run'}"]
+    said = "interrupted: checkpoint of step 3 written to ck/step_00000003; run it again"
+    _failing_run(monkeypatch, RunInterrupted(said))
+    assert cli.main(argv) == 130
+    assert (
+        capsys.readouterr().err == f"diffusion-rl sft: {said}\n"
+    )  # not "interrupted: interrupted:"
+    said = "interrupted (SIGTERM): checkpoint of step 3 written to ck/step_00000003"
+    _failing_run(monkeypatch, RunInterrupted(said, signal.SIGTERM))
+    assert cli.main(argv) == 143
+    assert capsys.readouterr().err == f"diffusion-rl sft: {said}\n"
+    monkeypatch.setenv("RANK", "1")  # under torchrun, rank 0 speaks for the run
+    assert cli.main(argv) == 143
+    assert capsys.readouterr().err == ""
+
+
+def test_a_config_that_is_no_regular_file_is_named_for_what_it_is(capsys, tmp_path):
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)  # never opened: that would block until a writer comes
+    for path, what in (
+        (tmp_path, "is a directory, not a regular file"),
+        (fifo, "is a FIFO (named pipe), not a regular file"),
+        (tmp_path / "missing.yaml", "does not exist"),
+    ):
+        line = _one_line_error(capsys, ["sft", "--config", str(path)])
+        assert f"--config: config file {path} {what}; expected a YAML file" in line
+
+
+def test_the_default_block_size_is_a_block_causal_models_own(capsys, models, tmp_path):
+    """A block-causal model built for blocks of 8 whose directory records no sampler: the
+    sampler's block size is the model's (not the default 4), --block-size must equal it."""
+    argv = ["generate", "--model", models["T8"], "--prompt", "1+2=", "--length", "8"]
+    assert cli.main([*argv, "--output", str(tmp_path / "c.json")]) == 0
+    sampler = json.loads((tmp_path / "c.json").read_text())["sampler"]
+    assert (sampler["block_size"], sampler["steps_per_block"]) == (8, 4)
+    assert cli.main([*argv, "--block-size", "8", "--steps-per-block", "8"]) == 0
+    capsys.readouterr()
+    line = _one_line_error(capsys, [*argv, "--block-size", "4"])
+    assert line == (
+        "diffusion-rl generate: error: --block-size: this block-causal model was built for "
+        "blocks of 8, got 4; omit --block-size (the model's is the default)"
+    )
+    assert cli.main(["eval", "--model", models["T8"], "--examples", "2"]) == 0
+    # a model that decodes blocks of any size takes --block-size; steps follow a small block
+    bidirectional = save_model(
+        tmp_path / "bi",
+        tiny_model("bidirectional"),
+        {"task": {"name": "arithmetic"}},
+        CharTokenizer(CHARS),
+    )
+    out = tmp_path / "bi.json"
+    bi = ["generate", "--model", str(bidirectional), "--prompt", "1+2=", "--output", str(out)]
+    assert cli.main([*bi, "--block-size", "2", "--length", "6"]) == 0
+    sampler = json.loads(out.read_text())["sampler"]
+    assert (sampler["block_size"], sampler["steps_per_block"]) == (2, 2)
+    capsys.readouterr()
+    line = _one_line_error(capsys, [*bi, "--block-size", "0"])
+    assert "--block-size: must be >= 1 (got 0)" in line
+
+
+SDAR_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf_dllm" / "sdar"
+
+
+def test_an_sdar_model_with_blocks_of_8_and_no_info_file_generates(capsys, tmp_path):
+    if not (SDAR_FIXTURE / "config.json").is_file():
+        pytest.skip(f"{SDAR_FIXTURE}: ../shared/fixtures absent (CI has it)")
+    model = tmp_path / "sdar8"
+    shutil.copytree(SDAR_FIXTURE, model)
+    settings = json.loads((model / "config.json").read_text())
+    assert settings["block_size"] != 8 and not (model / "diffusion_rl.json").exists()
+    (model / "config.json").write_text(json.dumps({**settings, "block_size": 8}))
+    out = tmp_path / "c.json"
+    argv = ["generate", "--model", str(model), "--prompt", "hi", "--length", "8"]
+    assert cli.main([*argv, "--output", str(out)]) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["sampler"]["block_size"] == 8
+    capsys.readouterr()
+    line = _one_line_error(capsys, [*argv, "--block-size", "4"])
+    assert "--block-size: this block-causal model was built for blocks of 8, got 4" in line
 
 
 # ----------------------------------------------------------------------------- the README

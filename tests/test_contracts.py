@@ -775,3 +775,58 @@ def test_loss_output_good_aux_values():
     out = LossOutput(_metric(), aux)
     assert out.aux_metrics == aux
     assert LossOutput(_metric()).aux_metrics == {}
+
+
+# ----------------------------------------------------------------------------- gaps an audit found
+def test_a_zero_row_batch_is_refused_naming_target_ids():
+    """It used to be accepted, and train_step then crashed inside the model."""
+    with pytest.raises(ValueError, match=rf"^{TB}\.target_ids: expected at least one row"):
+        _batch(b=0)
+    empty = torch.zeros(3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=rf"^{TB}\.target_ids: expected at least one row"):
+        _batch()[empty]  # selecting no rows
+
+
+def test_weights_whose_sum_overflows_are_refused_naming_loss_weights():
+    """3e38 per slot: each finite, their sum (the losses' denominator) is not. The error used
+    to name an internal WeightedMetric.denominator."""
+    with pytest.raises(ValueError, match=rf"^{TB}\.loss_weights: the weights sum to more than"):
+        _batch(loss_weights=torch.full((B, L), 3e38))
+    assert _batch(loss_weights=torch.full((B, L), 1e36)).loss_weights.max() == 1e36
+
+
+@pytest.mark.parametrize(
+    ("size", "shown"), [(2.5, "float 2.5"), (True, "bool True"), ("2", "str '2'")]
+)
+def test_split_names_micro_batch_size_for_a_non_int(size, shown):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            f"micro_batch_size: expected an int >= 1 (rows per micro-batch), got {shown}"
+        ),
+    ):
+        _batch().split(size)
+
+
+def test_logits_check_names_a_batch_that_is_not_a_batch():
+    with pytest.raises(TypeError, match=r"^batch: expected a DiffusionTokenBatch, got dict"):
+        validate_diffusion_logits({"target_ids": _targets()}, torch.zeros(B, L, V))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("sum", torch.tensor(True)),
+        ("denominator", torch.tensor(True)),
+        ("sum", torch.tensor(1.0 + 2.0j)),
+        ("denominator", torch.tensor(2.0 + 0.0j)),  # used to raise NotImplementedError
+    ],
+)
+def test_weighted_metric_refuses_bool_and_complex_tensors(field, value):
+    values = {"sum": torch.tensor(1.0), "denominator": torch.tensor(2.0), field: value}
+    with pytest.raises(
+        TypeError,
+        match=rf"^WeightedMetric\.{field}: expected a real \(floating or integer\) tensor, got torch\.(bool|complex64)",
+    ):
+        WeightedMetric(**values)
+    assert WeightedMetric(torch.tensor(3.0), torch.tensor(2)).value == 1.5  # integer counts

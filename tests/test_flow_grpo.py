@@ -17,6 +17,8 @@ from diffusion_rl.objectives.flow_grpo import FlowGRPOConfig, FlowGRPOLoss
 from diffusion_rl.rollout import Rollout
 from diffusion_rl.sampling.flow import FlowSamplerConfig, sample_flow, step_noise
 from diffusion_rl.scoring.flow import FlowReplayScorer, FlowStepScores
+from diffusion_rl.trace import StageMismatchError
+from diffusion_rl.trace import StaleTraceError as TraceStaleError
 from diffusion_rl.train import OptimConfig, Trainer
 from diffusion_rl.train.learner import PolicyLearner
 from diffusion_rl.train.plans import FlowPolicyPlan
@@ -143,6 +145,43 @@ def test_unavailable_kernel_and_ode_trace_are_refused():
     other = rollout(model, guidance_scale=4.0)
     with pytest.raises(ValueError, match="guidance_scale"):
         scorer.score_trace(other)
+
+
+def test_the_scorer_refuses_another_stages_or_versions_trace():
+    """Two stages with equal latent shapes: only the stage and version a trace carries tell
+    their traces apart, and a scorer told what to expect refuses the other's, by name."""
+    model = TinyVelocity()
+    image = dataclasses.replace(rollout(model, version=3), stage="image")
+    video = dataclasses.replace(rollout(TinyVelocity(seed=1), version=3), stage="video")
+    assert image.latents.shape == video.latents.shape
+    scorer = FlowReplayScorer.for_trace(
+        model, image, stop_gradient=True, stage="image", weights_version=3
+    )
+    behaviour = image.behaviour_logprobs[:, image.sde_step_indices()]
+    assert torch.equal(scorer.score_trace(image).logprobs, behaviour)  # its own: replayed
+    with pytest.raises(
+        StageMismatchError,
+        match=r"sampled by stage 'video' \(rollout weights v3\); this "
+        r"scorer replays stage 'image'",
+    ):
+        scorer.score_trace(video)
+    stale = dataclasses.replace(image, weights_version=2)
+    with pytest.raises(
+        StaleTraceError, match=r"rollout weights v2, this scorer of stage 'image' replays v3"
+    ):
+        scorer.score_trace(stale)
+    assert TraceStaleError is StaleTraceError  # one type: the learner's (train/roles.py)
+    assert issubclass(StageMismatchError, StaleTraceError)
+    with pytest.raises(StageMismatchError, match="'video'"):  # checked at construction too
+        FlowReplayScorer.for_trace(model, video, stage="image")
+    with pytest.raises(StaleTraceError, match="v3"):
+        FlowReplayScorer.for_trace(model, image, weights_version=4)
+    unchecked = FlowReplayScorer.for_trace(model, image, stop_gradient=True)
+    assert unchecked.score_trace(video).logprobs.shape == (8, 5)  # not told: not checked
+    with pytest.raises(TypeError, match="stage"):
+        FlowReplayScorer.for_trace(model, image, stage=1)
+    with pytest.raises(ValueError, match="weights_version"):
+        FlowReplayScorer.for_trace(model, image, weights_version=True)
 
 
 # ------------------------------------------------------------------------------ loss

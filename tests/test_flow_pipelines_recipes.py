@@ -30,6 +30,7 @@ from diffusers import DiffusionPipeline  # noqa: E402
 from flow_toy import one_thread, perturbed  # noqa: E402, F401 (fixture: one CPU thread)
 
 from diffusion_rl import cli  # noqa: E402
+from diffusion_rl.cli.verify import verify_path  # noqa: E402
 from diffusion_rl.config import (  # noqa: E402
     ConfigError,
     FlowGRPORecipeConfig,
@@ -182,6 +183,7 @@ def test_flow_grpo_lora_from_the_cli_ratio_one_adapter_checkpoint_and_merged_exp
 
     # merged export: a plain diffusers directory (no peft), the LoRA model's outputs
     merged_dir = export_flow_model(out, tmp_path / "merged")
+    assert verify_path(merged_dir)[0] == 0  # sealed with a manifest of every file
     pipe = DiffusionPipeline.from_pretrained(str(merged_dir))
     assert type(pipe).__name__ == PIPELINE_CLASSES[family]
     assert not any(".lora_" in name for name in pipe.transformer.state_dict())

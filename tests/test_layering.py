@@ -22,6 +22,7 @@ LAYERS = {
     "guidance": 0,
     "advantages": 0,
     "checksums": 0,
+    "_lazy": 0,
     "models": 1,
     "distributed": 0,
     "trace": 2,

@@ -398,6 +398,7 @@ def test_a_lora_directory_holds_the_adapter_and_loads_as_base_plus_adapter(tmp_p
         ADAPTER_FILE,
         "config.json",
         "diffusion_rl.json",
+        "manifest.json",
     ]
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "diffusion_rl.lora"

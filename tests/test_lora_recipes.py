@@ -92,6 +92,7 @@ def test_grpo_with_lora_trains_the_adapter_resumes_exactly_and_writes_an_adapter
         ADAPTER_FILE,
         "config.json",
         "diffusion_rl.json",
+        "manifest.json",
     ]
     config = json.loads((model_dir / "config.json").read_text())
     assert config["base_model"] == str(base.resolve()) and config["lora"]["rank"] == 4

@@ -22,6 +22,8 @@ from diffusion_rl.models import (
     save_model,
 )
 from diffusion_rl.models import io as model_io
+from diffusion_rl.models.loading import ManifestMismatchError
+from diffusion_rl.models.manifest import write_manifest
 from diffusion_rl.tasks.geneval import GenEvalConfig, GenEvalTask
 
 CHARS = "0123456789+-="  # 3 specials + 13 characters = tiny_model's vocabulary of 16
@@ -58,6 +60,7 @@ def test_token_model_round_trip(tmp_path):
     assert sorted(p.name for p in path.iterdir()) == [
         "config.json",
         "diffusion_rl.json",
+        "manifest.json",
         "model.safetensors",
         "tokenizer.json",
     ]
@@ -80,6 +83,7 @@ def test_flow_model_round_trip(tmp_path):
     assert sorted(p.name for p in path.iterdir()) == [
         "config.json",
         "diffusion_rl.json",
+        "manifest.json",
         "model.safetensors",
     ]
     loaded = load_model(path)
@@ -95,6 +99,7 @@ def test_flow_model_round_trip(tmp_path):
     save_model(path, model, {"task": {"name": "other"}})
     assert load_model(path).info == {"task": {"name": "other"}}
     (path / model_io.INFO_FILE).unlink()
+    write_manifest(path)  # sealed again without it (removed, it is a manifest mismatch)
     assert load_model(path).info == {"task": task}
     save_model(tmp_path / "bare", _flow_model(), {})
     assert load_model(tmp_path / "bare").info == {}
@@ -149,11 +154,15 @@ def test_load_model_errors_name_the_path(tmp_path):
 
     # a broken info file, a missing tokenizer, a tokenizer of another vocabulary
     path = save_model(tmp_path / "tok", tiny_model(), {}, CharTokenizer(CHARS))
+    recorded = (path / model_io.INFO_FILE).read_bytes()
     (path / model_io.INFO_FILE).write_text("{")
     with pytest.raises(ValueError, match=f"{path / model_io.INFO_FILE}:1:2: not valid JSON"):
         load_model(path)
-    (path / model_io.INFO_FILE).write_text("{}")
+    (path / model_io.INFO_FILE).write_bytes(recorded)
     (path / "tokenizer.json").unlink()
+    with pytest.raises(ManifestMismatchError, match=f"{path / 'tokenizer.json'}: missing"):
+        load_model(path)
+    (path / "manifest.json").unlink()  # unverified, the loader's own message
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         load_model(path)
     save_model(path, tiny_model(), {}, CharTokenizer(CHARS + "*"))

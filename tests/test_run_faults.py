@@ -1,6 +1,7 @@
 """Faults of a run, each with its exact outcome: kill -9 at random moments and inside
 checkpoint writes (the rerun ends bitwise equal to a straight run, each step logged once),
-Ctrl-C (a checkpoint of the current step, the rerun resumes from it), a finished run
+Ctrl-C and SIGTERM (a checkpoint of the current step, exit 130 / 143, the rerun resumes from
+it; a second signal stops at once), a full disk in the final model write, a finished run
 resumed (nothing changes), NaN in one micro-batch (skipped, counted, state untouched), runs
 that diverge (a non-zero exit, nothing saved).
 
@@ -17,6 +18,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -156,6 +158,154 @@ def test_ctrl_c_checkpoints_the_current_step_and_the_rerun_resumes_from_it(strai
     lines = []
     run_sft(config_of(config), echo=lines.append)
     assert f"resumed from {checkpoint} at step {step}" in lines
+    assert faults.differences(straight.outcome, faults.outcome(out)) == []
+
+
+# ----------------------------------------------------------------------------- SIGTERM
+# A cluster pre-empts a job with SIGTERM and kills it a grace period later. The attempts
+# below are real `python -m diffusion_rl sft` processes (the CLI's own entry point); a
+# sitecustomize on their PYTHONPATH only makes each trainer step sleep, so that the signal
+# lands while the run is going.
+_SLOW_STEPS = """
+import os, time
+from diffusion_rl.train import Trainer
+_real, _slow = Trainer.train_step, float(os.environ["SLOW_STEP_S"])
+def _slow_step(self, *args, **kwargs):
+    time.sleep(_slow)
+    return _real(self, *args, **kwargs)
+Trainer.train_step = _slow_step
+"""
+
+
+def sft_process(config: Path, slow: float) -> subprocess.Popen:
+    hook = config.parent / "slow_steps"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(_SLOW_STEPS)
+    src = str(Path(__file__).parents[1] / "src")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(hook), src, os.environ.get("PYTHONPATH", "")]),
+        "SLOW_STEP_S": str(slow),
+        "DIFFUSION_RL_NO_PROGRESS": "1",
+    }
+
+    def default_signals() -> None:  # not inherited as ignored from a background shell
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+
+    command = [sys.executable, "-m", "diffusion_rl", "sft", "--config", str(config)]
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_signals,  # noqa: PLW1509 (single-threaded here)
+    )
+
+
+def wait_for_step(out: Path, proc: subprocess.Popen, step: int, limit: float = 120.0) -> None:
+    deadline = time.monotonic() + limit
+    while True:
+        assert proc.poll() is None, f"the run ended early: {proc.communicate()}"
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        if (out / "metrics.jsonl").exists() and len(loss_steps(out)) >= step:
+            return
+        time.sleep(0.01)
+
+
+def test_sigterm_checkpoints_the_current_step_exits_143_and_the_rerun_resumes_bitwise(
+    straight, tmp_path
+):
+    out = tmp_path / "preempted"
+    config = faults.write_config(out, checkpoint_every=1000)  # no periodic checkpoint
+    proc = sft_process(config, slow=0.1)
+    wait_for_step(out, proc, 1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (stdout, stderr)
+    [checkpoint] = CheckpointManager(out / "checkpoints").checkpoints()
+    step = int(checkpoint.name.removeprefix("step_"))
+    assert 1 <= step < 12 and loss_steps(out) == list(range(1, step + 1))
+    lines = stderr.strip().splitlines()
+    assert lines[-1] == (
+        f"diffusion-rl sft: interrupted (SIGTERM): checkpoint of step {step} written to "
+        f"{checkpoint}; run the same command again to resume from it"
+    )
+    assert lines[-2] == (
+        "SIGTERM: finishing the current step, then writing a checkpoint (a second signal "
+        "stops at once, without it)"
+    )
+    assert "Traceback" not in stderr and "interrupted" not in stdout  # said once
+    said = []
+    run_sft(config_of(config), echo=said.append)
+    assert f"resumed from {checkpoint} at step {step}" in said
+    assert faults.differences(straight.outcome, faults.outcome(out)) == []
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_stops_at_once_saving_nothing_of_the_step(straight, tmp_path, second):
+    out = tmp_path / "stopped"
+    config = faults.write_config(out)  # a checkpoint every 2 steps
+    proc = sft_process(config, slow=2.0)  # both signals land inside step 4's 2 s sleep
+    wait_for_step(out, proc, 3)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(second)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + second, (stdout, stderr)
+    # at once: step 4 was cut short, neither logged nor checkpointed
+    last = out / "checkpoints" / "step_00000002"
+    assert CheckpointManager(out / "checkpoints").checkpoints()[-1] == last
+    assert loss_steps(out) == [1, 2, 3]
+    by = "" if second == signal.SIGINT else " (SIGTERM)"
+    assert stderr.strip().splitlines()[-1] == (
+        f"diffusion-rl sft: interrupted{by} during step 4: nothing of it was saved; the last "
+        f"checkpoint, {last}, is intact"
+    )
+    assert "Traceback" not in stderr
+    run_sft(config_of(config), **QUIET)
+    assert faults.differences(straight.outcome, faults.outcome(out)) == []
+
+
+# ----------------------------------------------------------------------------- disk full
+def test_a_full_disk_in_the_final_model_write_is_one_line_and_the_rerun_finishes(
+    straight, tmp_path, monkeypatch, capsys
+):
+    """safetensors reports a full disk as its own SafetensorError (not an OSError): the
+    final `model/model.safetensors` write fails with it, and the CLI says so in one line
+    (status 1); the checkpoint of the last step is intact and the rerun writes the model."""
+    import safetensors
+
+    from diffusion_rl.models import transformer
+
+    real = transformer.save_model  # what DiffusionTransformer.save_pretrained writes with
+
+    def full(model, filename, *args, **kwargs):
+        if f"{os.sep}checkpoints{os.sep}" not in str(filename):  # the final model only
+            Path(filename).write_bytes(b"\0" * 10)  # a torn file, as a full disk leaves
+            raise safetensors.SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            )
+        return real(model, filename, *args, **kwargs)
+
+    out = tmp_path / "full"
+    config = faults.write_config(out)
+    monkeypatch.setattr(transformer, "save_model", full)
+    assert cli.main(["sft", "--config", str(config)]) == 1
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    last = out / "checkpoints" / "step_00000012"
+    assert err.splitlines() == [
+        f"diffusion-rl sft: error: [Errno 28] disk full while writing the final model to "
+        f"{out / 'model'} (SafetensorError: Error while serializing: I/O error: No space left "
+        f"on device (os error 28)); the checkpoint of the last step, {last}, is intact: free "
+        "space on that disk, then run the same command again to write the model"
+    ]
+    assert not (out / "model").exists() and not (out / "results.json").exists()
+    assert leftovers(out) == []
+    assert cli.main(["sft", "--config", str(config)]) == 0
     assert faults.differences(straight.outcome, faults.outcome(out)) == []
 
 

@@ -914,7 +914,30 @@ def test_huge_finite_values_are_not_mistaken_for_inf():
     logprobs = with_value(TOKEN.behaviour_logprobs, SAMPLED, -3e38)
     logprobs[3, 0] = -3e38
     assert torch.equal(token(behaviour_logprobs=logprobs).behaviour_logprobs, logprobs)
-    weights = torch.full((B, L), 3e38)
+    weights = torch.zeros((B, L))
+    weights[0, 0] = 3e38  # one huge finite weight passes
     assert token_batch(loss_weights=weights).loss_weights is weights
+    # weights whose sum (the losses' denominator) overflows float32 are refused by name, not
+    # later as an internal WeightedMetric.denominator
+    with pytest.raises(ValueError, match=r"^DiffusionTokenBatch\.loss_weights: the weights sum"):
+        token_batch(loss_weights=torch.full((B, L), 3e38))
     with pytest.raises(ValueError, match=r"FlowTrace\.latents: must be finite, found nan"):
         flow(latents=with_value(latents, (3, 0, 0, 0, 0), float("nan")))
+
+
+# ----------------------------------------------------------------------------- gaps an audit found
+def test_a_trace_of_no_rows_is_refused_when_prepared():
+    """rows([]) is a valid part (for concat), but preparing it used to fail later, in replay,
+    on a micro_batch_size the caller never set."""
+    with pytest.raises(ValueError, match=r"^TokenTrace\.prepare: the trace has no rows"):
+        TOKEN.rows([]).prepare()
+    with pytest.raises(ValueError, match=r"^FlowTrace\.prepare: the trace has no rows"):
+        FLOW.rows([]).prepare(FLOW.sde_step_indices())
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), -1.0])
+def test_post_stop_weight_is_named_not_loss_weights(weight):
+    with pytest.raises(ValueError, match=r"^post_stop_weight: expected a finite value >= 0"):
+        TOKEN.prepare(weight)
+    with pytest.raises(TypeError, match=r"^post_stop_weight: expected a number >= 0, got str"):
+        TOKEN.prepare("1")

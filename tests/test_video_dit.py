@@ -311,6 +311,7 @@ def test_load_model_and_save_model_round_trip(tmp_path):
     assert sorted(p.name for p in path.iterdir()) == [
         "config.json",
         "diffusion_rl.json",
+        "manifest.json",
         "model.safetensors",
     ]
     loaded = load_model(path)

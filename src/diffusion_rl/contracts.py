@@ -173,6 +173,17 @@ def check_conditioning(name: str, cond: Any, rows: int, *, finite: bool = True) 
             raise ValueError(f"{entry}: expected finite values, got NaN/inf")
 
 
+def _check_micro_batch_size(owner: str, value: Any) -> None:
+    """``value`` is an int >= 1 (a bool or float is a ``TypeError`` naming the argument)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{owner}: micro_batch_size: expected an int >= 1 (rows per micro-batch), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if value < 1:
+        raise ValueError(f"{owner}: micro_batch_size: expected >= 1, got {value}")
+
+
 def _map_leaves(tree: Mapping[str, Any], fn) -> dict[str, Any]:
     return {k: _map_leaves(v, fn) if isinstance(v, Mapping) else fn(v) for k, v in tree.items()}
 
@@ -220,6 +231,11 @@ class DiffusionTokenBatch:
                 "DiffusionTokenBatch.target_ids: expected rank 2 [B, L], "
                 f"got rank {targets.dim()} shape {tuple(targets.shape)}"
             )
+        if targets.shape[0] == 0:
+            raise ValueError(
+                "DiffusionTokenBatch.target_ids: expected at least one row (B >= 1), got shape "
+                f"{tuple(targets.shape)}; leave an empty batch out instead of passing it"
+            )
         require_dense_tensor("DiffusionTokenBatch.loss_weights", weights)
         if not (weights.dtype.is_floating_point or weights.dtype in _WEIGHT_DTYPES):
             raise TypeError(
@@ -231,9 +247,21 @@ class DiffusionTokenBatch:
                 "DiffusionTokenBatch.loss_weights: expected the shape of target_ids "
                 f"{tuple(targets.shape)}, got {tuple(weights.shape)}"
             )
-        if weights.dtype.is_floating_point and not all_finite(weights):
+        # one float32 reduction: a finite sum means finite weights and a denominator (the
+        # losses sum the weights) that does not overflow
+        sum_finite = weights.dtype == torch.bool or bool(
+            torch.isfinite(torch.sum(weights, dtype=torch.float32))
+        )
+        floating = weights.dtype.is_floating_point
+        if not sum_finite and floating and not bool(torch.isfinite(weights).all()):
             raise ValueError(
                 "DiffusionTokenBatch.loss_weights: expected finite values, got NaN/inf"
+            )
+        if not sum_finite:
+            raise ValueError(
+                "DiffusionTokenBatch.loss_weights: the weights sum to more than float32 holds "
+                f"(max {torch.finfo(torch.float32).max:.3g}; largest weight "
+                f"{weights.max().item():.3g}); scale them down (only their ratios matter)"
             )
         if weights.dtype != torch.bool and bool((weights < 0).any()):
             raise ValueError(
@@ -306,8 +334,7 @@ class DiffusionTokenBatch:
         return self._map(lambda t: t.to(device))
 
     def split(self, micro_batch_size: int) -> list[DiffusionTokenBatch]:
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size: expected >= 1, got {micro_batch_size}")
+        _check_micro_batch_size("DiffusionTokenBatch.split", micro_batch_size)
         return [
             self[start : start + micro_batch_size]
             for start in range(0, self.batch_size, micro_batch_size)
@@ -361,6 +388,11 @@ pytree.register_pytree_node(
 
 def validate_diffusion_logits(batch: DiffusionTokenBatch, logits: torch.Tensor) -> None:
     """Check target-aligned logits ``[B, L, V]`` against ``batch`` (called at every scoring)."""
+    if not isinstance(batch, DiffusionTokenBatch):
+        raise TypeError(
+            f"batch: expected a DiffusionTokenBatch, got {type(batch).__name__}; build one with "
+            "DiffusionTokenBatch(model_inputs, target_ids, loss_weights)"
+        )
     validate_target_aligned_logits(batch.target_ids, batch.active, logits)
 
 
@@ -436,6 +468,11 @@ class WeightedMetric:
                 object.__setattr__(self, name, torch.tensor(number))
                 continue
             require_dense_tensor(f"WeightedMetric.{name}", value)
+            if value.dtype == torch.bool or value.dtype.is_complex:
+                raise TypeError(
+                    f"WeightedMetric.{name}: expected a real (floating or integer) tensor, got "
+                    f"{value.dtype}; convert it with .float()"
+                )
             if value.numel() != 1:
                 raise ValueError(
                     f"WeightedMetric.{name}: expected a scalar, got shape {tuple(value.shape)}"
@@ -603,8 +640,7 @@ class DiffusionDistillationBatch:
         )
 
     def split(self, micro_batch_size: int) -> list[DiffusionDistillationBatch]:
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size: expected >= 1, got {micro_batch_size}")
+        _check_micro_batch_size("DiffusionDistillationBatch.split", micro_batch_size)
         return [
             self[start : start + micro_batch_size]
             for start in range(0, self.batch_size, micro_batch_size)

@@ -40,6 +40,17 @@ SIGMA_START_TOLERANCE = 1e-5
 rounding, sampling/flow.py ``flow_sigmas``)."""
 
 
+class StaleTraceError(ValueError):
+    """A trace sampled with weights other than the ones the learner is about to update (or a
+    scorer was told to expect). Defined here, below both, so the learner
+    (``train/roles.py`` re-exports it) and the scorers (``scoring/``) raise one type."""
+
+
+class StageMismatchError(StaleTraceError):
+    """A trace handed to a stage (or a stage's scorer) it was not sampled by: a workflow's
+    traces mixed up."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Field validation shared by both traces. Kinds, dtypes and shapes are checked one field at a
 # time (attribute reads, no device work); value rules are collected as bool masks and reduced
@@ -127,6 +138,16 @@ def _str_dict(name: str, value: Any, *, str_values: bool = False) -> dict:
         if str_values and not isinstance(item, str):
             raise TypeError(f"{name}[{key!r}]: expected a str, got {type(item).__name__}")
     return value
+
+
+def _refuse_no_rows(owner: str, rows: int) -> None:
+    """A trace of no rows (``rows([])``, a part for ``concat``) is valid but cannot be
+    prepared for scoring: there is nothing to replay."""
+    if rows == 0:
+        raise ValueError(
+            f"{owner}.prepare: the trace has no rows (B = 0), so there is nothing to score; "
+            "leave empty traces out (or concat them with others) before preparing"
+        )
 
 
 def _require_key(name: str, settings: dict, key: str, why: str) -> Any:
@@ -530,7 +551,12 @@ class TokenTrace:
         ``behaviour_logprobs [B, L]`` (the training inputs of a policy loss, kept row-aligned
         by every slice); ``target_ids`` = tokens (-1 on unsampled slots).
         """
-        if not (post_stop_weight >= 0):
+        _refuse_no_rows("TokenTrace", len(self))
+        if isinstance(post_stop_weight, bool) or not isinstance(post_stop_weight, (int, float)):
+            raise TypeError(
+                f"post_stop_weight: expected a number >= 0, got {type(post_stop_weight).__name__}"
+            )
+        if not (math.isfinite(post_stop_weight) and post_stop_weight >= 0):
             raise ValueError(
                 f"post_stop_weight: expected a finite value >= 0, got {post_stop_weight}"
             )
@@ -920,6 +946,7 @@ class FlowTrace:
         """The batches the learner scores: one :class:`FlowStepBatch` per (forward group, step),
         group-major; ``steps`` must be SDE steps. ``advantages`` / ``weights`` ``[B]`` are
         sliced into each batch."""
+        _refuse_no_rows("FlowTrace", len(self))
         sde = self.sde_steps.tolist()
         if len(set(steps)) != len(steps):
             raise ValueError(f"steps: expected distinct steps, got {list(steps)}")

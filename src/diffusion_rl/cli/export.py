@@ -24,18 +24,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..models.flow_pipelines import PIPELINE_MODEL_TYPE
-from ..models.io import CONFIG_FILE, INFO_FILE, load_model, save_model
-from ..models.lora import (
-    ADAPTER_FILE,
-    LORA_MODEL_TYPE,
-    is_lora_directory,
-    merge_lora,
-    read_lora_config,
-)
-
 __all__ = ["cmd_export", "export_model"]
 
+# The model modules import torch; they are imported when the command runs, so that
+# ``diffusion-rl --help`` does not (the file names are the ones ``models.io`` and
+# ``models.lora`` define; a test checks that they agree).
+CONFIG_FILE = "config.json"
+INFO_FILE = "diffusion_rl.json"
+ADAPTER_FILE = "adapter.safetensors"
 PIPELINE_WEIGHTS = "model.safetensors"  # a pipeline model directory's trained weights
 
 
@@ -49,6 +45,8 @@ def _model_directory(src: Path) -> Path:
 
 def _is_pipeline_model(directory: Path) -> bool:
     """Whether ``directory`` is what a flow recipe writes for a diffusers pipeline actor."""
+    from ..models.flow_pipelines import PIPELINE_MODEL_TYPE
+
     try:
         config = json.loads((directory / CONFIG_FILE).read_text())
     except (OSError, ValueError):
@@ -57,6 +55,9 @@ def _is_pipeline_model(directory: Path) -> bool:
 
 
 def _write_merged(src: Path, target: Path) -> None:
+    from ..models.io import load_model, save_model
+    from ..models.lora import merge_lora
+
     loaded = load_model(src)
     model = merge_lora(loaded.model)
     tokenizer = loaded.tokenizer if loaded.kind == "token" else None
@@ -64,16 +65,22 @@ def _write_merged(src: Path, target: Path) -> None:
 
 
 def _write_adapter(src: Path, target: Path) -> None:
+    from ..models.manifest import check_model_files, write_manifest
+
+    check_model_files(src)  # copy only what the source's manifest vouches for
     target.mkdir()
     for name in (CONFIG_FILE, ADAPTER_FILE, PIPELINE_WEIGHTS, INFO_FILE):
         if (src / name).is_file():
             shutil.copy2(src / name, target / name)
+    write_manifest(target)
 
 
 def export_model(src: str | os.PathLike, out: str | os.PathLike, *, merge: bool) -> Path:
     """Write the export of LoRA model directory (or run directory) ``src`` at ``out`` (module
     docstring); returns ``out``. ``ValueError`` naming ``SRC`` / ``OUT`` for a source that is
     not a LoRA model or a target that exists."""
+    from ..models.lora import LORA_MODEL_TYPE, is_lora_directory, read_lora_config
+
     source, out = _model_directory(Path(src)), Path(out)
     if out.exists():
         raise ValueError(f"OUT: {out} exists; export writes a new directory (remove it first)")

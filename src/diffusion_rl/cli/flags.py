@@ -20,6 +20,8 @@ MAX_STEPS = 10**9
 MAX_THREADS = 1024
 MAX_LENGTH = 1 << 20  # models.io.SAMPLER_LIMITS["generation_length"]
 MAX_STEPS_PER_BLOCK = 1 << 20
+MAX_BLOCK_SIZE = 1 << 16  # config.LIMITS["block_size"]
+DEFAULT_BLOCK_SIZE = 4  # sampling.TokenSamplerConfig's default (a test checks they agree)
 MAX_NUM_STEPS = 10_000  # models.io.SAMPLER_LIMITS["num_steps"]
 MAX_EXAMPLES = 1_000_000
 MAX_SAMPLES = 4096
@@ -45,6 +47,7 @@ TOKEN_ONLY = {
     "trace": "--trace",
     "temperature": "--temperature",
     "steps_per_block": "--steps-per-block",
+    "block_size": "--block-size",
     "confidence": "--confidence",
     "schedule": "--schedule",
     "threshold": "--threshold",
@@ -55,6 +58,7 @@ IMAGE_ONLY = {"samples": "--samples", "num_steps": "--num-steps", "guidance": "-
 SAMPLER_FLAGS = {
     "temperature": "--temperature",
     "steps_per_block": "--steps-per-block",
+    "block_size": "--block-size",
     "confidence": "--confidence",
     "schedule": "--schedule",
     "threshold": "--threshold",
@@ -175,9 +179,35 @@ def _file_path(extensions: tuple[str, ...]):
     return parse
 
 
+def _not_a_file(path: Path) -> str | None:
+    """Why ``path`` is not a regular file to read (it does not exist, is a directory, a FIFO,
+    a device, ...), or None when it is one. Only ``stat``: a FIFO is never opened (that
+    would block until a writer comes)."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {
+        stat.S_ISDIR: "a directory",
+        stat.S_ISFIFO: "a FIFO (named pipe)",
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+    }
+    kind = next((what for test, what in kinds.items() if test(mode)), "not a regular file")
+    return f"is {kind}, not a regular file"
+
+
 def _existing_file(text: str) -> str:
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"config file {text} does not exist")
+    problem = _not_a_file(Path(text))
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"config file {text} {problem}; expected a YAML file")
     return text
 
 

@@ -11,8 +11,10 @@ import argparse
 
 from .export import cmd_export
 from .flags import (
+    DEFAULT_BLOCK_SIZE,
     EVAL_FORMATS,
     IMAGE_FORMATS,
+    MAX_BLOCK_SIZE,
     MAX_EXAMPLES,
     MAX_GUIDANCE,
     MAX_LENGTH,
@@ -41,6 +43,7 @@ from .flags import (
 from .recipes import cmd_quickstart, cmd_recipe
 from .serve import cmd_serve
 from .serving import cmd_eval, cmd_generate
+from .verify import cmd_verify
 
 PROG = "diffusion-rl"
 DESCRIPTION = (
@@ -79,6 +82,13 @@ def _add_token_sampler_flags(parser) -> argparse._ArgumentGroup:
         dest="steps_per_block",
         type=_integer(1, MAX_STEPS_PER_BLOCK),
         help="denoising steps per block, 1 .. the block size (fixed schedule only)",
+    )
+    group.add_argument(
+        "--block-size",
+        dest="block_size",
+        type=_integer(1, MAX_BLOCK_SIZE),
+        help=f"slots per block, 1 .. {MAX_BLOCK_SIZE} (default: the recorded one, else a "
+        f"block-causal model's own, which it must then equal, else {DEFAULT_BLOCK_SIZE})",
     )
     group.add_argument(
         "--confidence",
@@ -362,6 +372,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="merge the adapter into the base weights and write a plain model directory",
     )
     p.set_defaults(func=cmd_export)
+
+    p = command(
+        "verify",
+        "check a model directory, trainer checkpoint or run directory against its manifests",
+        "Check DIR without building a model: a model directory (every file against its "
+        "manifest.json: sizes and SHA-256; JSON and safetensors parse; every tensor finite), "
+        "a trainer checkpoint (OUTPUT_DIR/checkpoints/step_N: files, parse, finite) or a run's "
+        "OUTPUT_DIR (its model/ and every checkpoint). Exit status 0: intact and verified; 1: "
+        "a file differs from its manifest, is damaged, or cannot be verified (no manifest, "
+        "e.g. a downloaded checkpoint); 2: DIR is none of these.",
+    )
+    p.add_argument(
+        "dir", metavar="DIR", help="a model directory, trainer checkpoint or run OUTPUT_DIR"
+    )
+    p.set_defaults(func=cmd_verify)
 
     p = command(
         "serve",

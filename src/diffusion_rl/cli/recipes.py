@@ -115,10 +115,15 @@ def cmd_recipe(args) -> int:
     created while they are still empty."""
     import importlib
 
+    from ..config.loading import build_config, read_config
+
+    # the file and the overrides first: a syntax error or an input beyond the bounds is
+    # answered before the config classes (and torch) are imported
+    data, source = read_config(args.config, args.set)
     from .. import config as configs
 
     config_name, module, recipe, summary = RECIPES[args.command]
-    config = configs.load_config(args.config, getattr(configs, config_name), args.set)
+    config = build_config(getattr(configs, config_name), data, source)
     if args.print_config:
         print(config_yaml(config), end="")
         return 0

@@ -99,6 +99,13 @@ def _settings(args):
 
 def cmd_serve(args) -> int:
     """Load every ``--model`` / ``--workflow``, then serve them until interrupted."""
+    from ..models.loading import HubIdError, refuse_hub_id
+
+    for spec in args.model or []:  # a Hub id is refused at once, before torch is imported
+        try:
+            refuse_hub_id(split_spec(spec, "--model", _model_name(spec))[1], "--model")
+        except HubIdError as error:
+            raise UsageError(str(error)) from None
     try:
         import uvicorn
 

@@ -73,16 +73,42 @@ def _sampler(cls, recorded: dict, flags: dict, args, fixed: dict | None = None):
         ) from None
 
 
-def _token_sampler(args, info: dict):
+def _model_block_size(model) -> int | None:
+    """The block size a block-causal model was built for (SDAR, the built-in transformer with
+    ``attention: block_causal``); None for a model that decodes blocks of any size."""
+    if getattr(model, "attention", None) != "block_causal":
+        return None
+    block = getattr(model, "block_size", None)
+    return block if isinstance(block, int) and not isinstance(block, bool) else None
+
+
+def _token_sampler(args, info: dict, model=None):
     """The model directory's recorded token sampler, with the sampler flags applied; a
-    ``--threshold`` / ``--steps-per-block`` the resulting schedule ignores is refused."""
+    ``--threshold`` / ``--steps-per-block`` the resulting schedule ignores is refused.
+
+    Unless the directory records a block size, a block-causal ``model``'s own block size is
+    the default (and ``--block-size`` must equal it); ``steps_per_block``, when neither
+    recorded nor given, is then at most one block."""
     from ..sampling import TokenSamplerConfig
 
-    keys = ("temperature", "steps_per_block", "confidence", "schedule", "threshold")
+    keys = ("temperature", "steps_per_block", "confidence", "schedule", "threshold", "block_size")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "length", None) is not None:
         overrides["generation_length"] = args.length
-    sampler = _sampler(TokenSamplerConfig, info.get("sampler", {}), overrides, args)
+    recorded = dict(info.get("sampler") or {})
+    model_block = _model_block_size(model)
+    if model_block is not None and overrides.get("block_size", model_block) != model_block:
+        raise UsageError(
+            f"--block-size: this block-causal model was built for blocks of {model_block}, "
+            f"got {overrides['block_size']}; omit --block-size (the model's is the default)"
+        )
+    if model_block is not None and "block_size" not in recorded:
+        recorded["block_size"] = model_block
+    block = overrides.get("block_size", recorded.get("block_size"))
+    if isinstance(block, int) and "steps_per_block" not in {**recorded, **overrides}:
+        default = TokenSamplerConfig.model_fields["steps_per_block"].default
+        recorded["steps_per_block"] = max(1, min(default, block))
+    sampler = _sampler(TokenSamplerConfig, recorded, overrides, args)
     unused = {"fixed": "threshold", "threshold": "steps_per_block"}[sampler.schedule]
     if unused in overrides:
         other = "threshold" if sampler.schedule == "fixed" else "fixed"
@@ -233,7 +259,7 @@ def cmd_generate_tokens(args, loaded) -> int:
     _check_kind_flags(args, "token")
     _check_output(args, TEXT_FORMATS, "a token model's completions are written as")
     _check_seeds(args, len(args.prompt))
-    sampler = _token_sampler(args, loaded.info)
+    sampler = _token_sampler(args, loaded.info, loaded.model)
     tok = loaded.tokenizer
     try:
         encoded = [tok.encode(p) for p in args.prompt]
@@ -397,7 +423,7 @@ def cmd_eval_tokens(args, loaded) -> int:
     _check_kind_flags(args, "token")
     examples = args.examples or 256
     _check_seeds(args, examples)
-    sampler = _token_sampler(args, loaded.info)
+    sampler = _token_sampler(args, loaded.info, loaded.model)
     task_info = dict(loaded.info.get("task", {"name": "arithmetic"}))
     task = get_task(task_info.pop("name"), tokenizer=loaded.tokenizer, **task_info)
     result = evaluate_task(
@@ -422,7 +448,14 @@ EVAL = {"token": cmd_eval_tokens, "flow": cmd_eval_images}
 
 
 def _dispatch(table: dict, args) -> int:
-    """Load ``args.model`` once (bounded: models.io) and run ``table``'s command for its kind."""
+    """Load ``args.model`` once (bounded: models.io) and run ``table``'s command for its kind.
+    A Hub id (``org/name``) is refused first, before torch is imported."""
+    from ..models.loading import HubIdError, refuse_hub_id
+
+    try:
+        refuse_hub_id(args.model, "--model")
+    except HubIdError as error:
+        raise UsageError(str(error)) from None
     from ..models.io import load_model
 
     try:
@@ -444,10 +477,16 @@ def _load_pipeline_directory(path: str):
     """A local diffusers pipeline directory as a flow model (its default resolution, the
     text cache on, no recorded task or sampler)."""
     from ..models.flow_pipelines import flow_directory_kind, load_pipeline_model
-    from ..models.io import LoadedModel
+    from ..models.io import LoadedModel, check_finite_weights
+    from ..models.manifest import check_model_files, warn_unverified
 
     kind, _ = flow_directory_kind(path)
-    return LoadedModel(load_pipeline_model(path, kind).eval(), "flow", None, {})
+    verified = check_model_files(path, warn=False)  # manifest (an export's) and headers
+    model = load_pipeline_model(path, kind).eval()
+    check_finite_weights(model, path)
+    if not verified:
+        warn_unverified(path)
+    return LoadedModel(model, "flow", None, {})
 
 
 def cmd_generate_workflow(args) -> int:

@@ -14,6 +14,14 @@ validates; any problem raises :class:`ConfigError`:
   ``  optim.lrr: unknown key; did you mean 'lr'?``).
 
 YAML 1.2 exponents are numbers (``lr: 1e-3`` is a float, not a string).
+
+Any input is answered quickly and in bounded memory and output (:data:`INPUT_LIMITS`): a
+config file is at most 256 KiB and a regular file (a directory, FIFO or device is named as
+such, never opened) of at most 30 000 YAML tokens; values nest at most 32 deep and number
+at most 10 000, aliases and merge keys expanded; an integer has at most 64 digits. Each is refused in one line naming
+the file (and line and column, or the key). An error lists at most
+:data:`MAX_PROBLEM_LINES` problems (then how many more), each line at most
+:data:`MAX_LINE_CHARS` characters, and an unknown key suggests at most three close names.
 """
 
 from __future__ import annotations
@@ -36,6 +44,20 @@ Config = TypeVar("Config", bound=BaseModel)
 
 class ConfigError(ValueError):
     """A config file or override that does not validate."""
+
+
+INPUT_LIMITS = {
+    "bytes": 256 << 10,  # a config file (the shipped ones are under 8 KiB)
+    "tokens": 30_000,  # YAML tokens (the parser reads ~40 000 a second; the shipped: < 1 500)
+    "depth": 32,  # nesting of mappings and lists (the shipped configs: 4)
+    "values": 10_000,  # keys, values and list items, aliases and merge keys expanded
+    "int_digits": 64,  # an integer literal (any LIMITS bound has at most 20)
+}
+"""Bounds on what a config file or ``--set`` value may be (module docstring)."""
+MAX_PROBLEM_LINES = 10
+"""Problems listed in one :class:`ConfigError`; the rest are counted."""
+MAX_LINE_CHARS = 300
+"""The longest line of a :class:`ConfigError` (longer ones are cut, ending in ``...``)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,16 +103,104 @@ def _prefixed(error: ValidationError, prefix: tuple) -> list[InitErrorDetails]:
 _EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 
 
+_INT_TAG = "tag:yaml.org,2002:int"
+
+
+def _clip(text: Any, limit: int = 60) -> str:
+    """``text`` (made a str) cut to ``limit`` characters, ending in ``...`` when cut."""
+    text = str(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _int_digits(node: yaml.ScalarNode) -> int:
+    """The digits of an integer literal (hexadecimal and octal ones included)."""
+    return sum(c.isalnum() for c in node.value)
+
+
 class _Loader(yaml.SafeLoader):
     """Safe YAML that reads ``1e-3`` as a float and refuses duplicate keys (a later value
-    would silently win)."""
+    would silently win), and within :data:`INPUT_LIMITS`: nesting (checked while composing,
+    before the parser's recursion could overflow), merge-key expansion and integer digits
+    (before ``int()`` refuses them without naming the key)."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._merged = 0
+
+    def fetch_more_tokens(self):
+        if max(self.flow_level, len(self.indents)) > INPUT_LIMITS["depth"]:  # scanning ahead
+            raise yaml.scanner.ScannerError(
+                None,
+                None,
+                f"nested deeper than {INPUT_LIMITS['depth']} levels of mappings and lists",
+                self.get_mark(),
+            )
+        if self.tokens_taken + len(self.tokens) >= INPUT_LIMITS["tokens"]:
+            raise yaml.scanner.ScannerError(
+                None,
+                None,
+                f"more than {INPUT_LIMITS['tokens']} YAML tokens (keys, values, brackets): "
+                "more than a config holds; data such as prompts belongs in files it names",
+                self.get_mark(),
+            )
+        super().fetch_more_tokens()
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > INPUT_LIMITS["depth"]:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"nested deeper than {INPUT_LIMITS['depth']} levels of mappings and lists",
+                    self.peek_event().start_mark,
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def flatten_mapping(self, node):
+        super().flatten_mapping(node)
+        self._merged += len(node.value)
+        if self._merged > INPUT_LIMITS["values"]:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"more than {INPUT_LIMITS['values']} keys (merge keys '<<' expanded)",
+                node.start_mark,
+            )
+
+    def construct_yaml_int(self, node):
+        if _int_digits(node) > INPUT_LIMITS["int_digits"]:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"an integer of {_int_digits(node)} digits; at most "
+                f"{INPUT_LIMITS['int_digits']} digits are read",
+                node.start_mark,
+            )
+        return super().construct_yaml_int(node)
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
             seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
+            for key_node, value_node in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
+                if (
+                    isinstance(key_node, yaml.ScalarNode)
+                    and isinstance(value_node, yaml.ScalarNode)
+                    and value_node.tag == _INT_TAG
+                    and _int_digits(value_node) > INPUT_LIMITS["int_digits"]
+                ):  # name the key: "steps: an integer of 100000 digits"
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"{_clip(key_node.value)}: an integer of {_int_digits(value_node)} "
+                        f"digits; at most {INPUT_LIMITS['int_digits']} digits are read",
+                        value_node.start_mark,
+                    )
                 key = self.construct_object(key_node, deep=True)
                 try:
                     first = seen.get(key)
@@ -113,6 +223,40 @@ class _Dumper(yaml.SafeDumper):
 
 for _cls in (_Loader, _Dumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+_Loader.add_constructor(_INT_TAG, _Loader.construct_yaml_int)
+
+
+def _size_problem(data: Any) -> str | None:
+    """What makes loaded YAML ``data`` too large (:data:`INPUT_LIMITS`, aliases expanded: a
+    structure that refers to itself is too deep), or None. Walks at most the limit."""
+    count, stack = 0, [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > INPUT_LIMITS["values"]:
+            return f"more than {INPUT_LIMITS['values']} values (aliases expanded)"
+        if isinstance(value, dict):
+            children = [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if children and depth >= INPUT_LIMITS["depth"]:
+            return (
+                f"nested deeper than {INPUT_LIMITS['depth']} levels of mappings and lists "
+                "(aliases expanded)"
+            )
+        stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+def _load_yaml(text: str) -> Any:
+    """``text`` as YAML, within :data:`INPUT_LIMITS`; ``yaml.YAMLError`` otherwise."""
+    data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+    problem = _size_problem(data)
+    if problem is not None:
+        raise yaml.YAMLError(problem)
+    return data
 
 
 def _one_line(text: str) -> str:
@@ -138,11 +282,38 @@ def _yaml_problem(error: yaml.YAMLError, text: str) -> tuple[tuple[int, int] | N
     return (mark.line + 1, mark.column + 1), f"{_one_line(problem)}{where}"
 
 
-def _read_yaml(path: Path) -> Any:
+def _not_a_file(path: Path) -> str | None:
+    """Why ``path`` is not a regular file to read, or None; ``stat`` only (a FIFO is never
+    opened: that would block)."""
+    import stat
+
     try:
-        raw = path.read_bytes()
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a regular file"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (named pipe), not a regular file"
+    return "is not a regular file (a device or socket)"
+
+
+def _read_yaml(path: Path) -> Any:
+    limit = INPUT_LIMITS["bytes"]
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(limit + 1)
     except OSError as error:
         raise ConfigError(f"config file {path}: cannot be read ({error.strerror})") from None
+    if len(raw) > limit:
+        raise ConfigError(
+            f"config file {path}: larger than {limit >> 10} KiB, the limit of a config file "
+            "(INPUT_LIMITS); data such as prompts belongs in files the config names"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -150,11 +321,11 @@ def _read_yaml(path: Path) -> Any:
         column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
         raise ConfigError(f"{path}:{line}:{column}: not UTF-8 text ({error.reason})") from None
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+        return _load_yaml(text)
     except yaml.YAMLError as error:
         position, problem = _yaml_problem(error, text)
         where = f"{path}:{position[0]}:{position[1]}" if position else str(path)
-        raise ConfigError(f"{where}: {problem}") from None
+        raise ConfigError(_clip(f"{where}: {problem}", MAX_LINE_CHARS)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,14 +341,21 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, item: str) -> Non
     bad = [k for k in keys if not _KEY.fullmatch(k)]
     if bad:
         raise ConfigError(
-            f"--set {item!r}: {bad[0]!r} is not a key; expected KEY=VALUE with KEY dotted "
-            "names, e.g. optim.lr=3e-4"
+            f"--set {_clip(item)!r}: {_clip(bad[0])!r} is not a key; expected KEY=VALUE with "
+            "KEY dotted names, e.g. optim.lr=3e-4"
+        )
+    if len(keys) >= INPUT_LIMITS["depth"]:
+        raise ConfigError(
+            f"--set {_clip(item)!r}: the key nests {len(keys)} levels; at most "
+            f"{INPUT_LIMITS['depth'] - 1}"
         )
     node = tree
     for key in keys[:-1]:
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {item!r}: {key!r} was set to a value, not a section")
+            raise ConfigError(
+                f"--set {_clip(item)!r}: {_clip(key)!r} was set to a value, not a section"
+            )
         node = child
     node[keys[-1]] = value
 
@@ -188,17 +366,24 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for item in items or []:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.lr=3e-4")
+            raise ConfigError(f"--set {_clip(item)!r}: expected KEY=VALUE, e.g. optim.lr=3e-4")
         key, raw = item.split("=", 1)
+        if len(raw) > INPUT_LIMITS["bytes"]:
+            raise ConfigError(
+                f"--set {_clip(item)!r}: the value is longer than {INPUT_LIMITS['bytes'] >> 10} "
+                "KiB, the limit of a config (INPUT_LIMITS)"
+            )
         try:
-            value = yaml.load(raw, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+            value = _load_yaml(raw)
         except yaml.YAMLError as error:
             position, problem = _yaml_problem(error, raw)
             column = f" at column {position[1]}" if position else ""
-            raise ConfigError(
-                f"--set {item!r}: the value is not valid YAML{column}: {problem}"
-            ) from None
+            message = f"--set {_clip(item)!r}: the value is not valid YAML{column}: {problem}"
+            raise ConfigError(_clip(message, MAX_LINE_CHARS)) from None
         _set_dotted(tree, key.strip(), value, item)
+    size = _size_problem(tree)
+    if size is not None:
+        raise ConfigError(f"--set: the overrides together hold {size}")
     return tree
 
 
@@ -344,8 +529,13 @@ def _known_keys(annotation: Any) -> list[str]:
 
 
 def _did_you_mean(key: Any, valid: Sequence[str]) -> str:
-    close = difflib.get_close_matches(str(key), list(valid), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    """``; did you mean 'a'?`` (or ``'a', 'b' or 'c'``: at most three close names), or ''."""
+    close = difflib.get_close_matches(_clip(key, 100), list(valid), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    names = [repr(name) for name in close]
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return f"; did you mean {listed}?"
 
 
 def _problem_line(cls: type[BaseModel] | None, item: dict[str, Any]) -> tuple[str, str, str]:
@@ -358,7 +548,7 @@ def _problem_line(cls: type[BaseModel] | None, item: dict[str, Any]) -> tuple[st
         hint = _did_you_mean(shown[-1], valid)
         if not hint:
             hint = "; remove it or check its spelling" + (
-                f" (valid keys: {', '.join(valid)})" if valid else ""
+                " (--print-config lists every valid key)" if valid else ""
             )
         return ".".join(shown), f"unknown key{hint}", ""
     if kind == "union_tag_invalid":  # a section's ``name`` picks its kind: name that key
@@ -397,7 +587,11 @@ def format_validation_error(
     order: list[str] = []
     messages: dict[str, list[str]] = {}
     inputs: dict[str, str] = {}
-    for item in error.errors():
+    more: set[tuple] = set()  # the locations of problems past MAX_PROBLEM_LINES keys
+    for item in error.errors(include_url=False, include_context=True, include_input=True):
+        if len(order) >= MAX_PROBLEM_LINES:  # counted, not described (no did-you-mean)
+            more.add(tuple(map(str, item["loc"])))
+            continue
         key, message, got = _problem_line(cls, item)
         if key not in messages:
             order.append(key)
@@ -405,13 +599,15 @@ def format_validation_error(
         if message not in messages[key]:
             messages[key].append(message)
         inputs.setdefault(key, got)
-    lines = [f"{source}: invalid config"]
+    lines = [_clip(f"{source}: invalid config", MAX_LINE_CHARS)]
     for key in order:
         got = f" (got {inputs[key]})" if inputs[key] else ""
         # the branches of a union each say "expected ..."; other problems of a key are listed
         union = all(m.startswith("expected") for m in messages[key])
         text = (", or " if union else "; ").join(messages[key])
-        lines.append("  " + _one_line(f"{key}: {text}{got}"))
+        lines.append(_clip("  " + _one_line(f"{_clip(key, 120)}: {text}{got}"), MAX_LINE_CHARS))
+    if more:
+        lines.append(f"  ... and {len(more)} more problems")
     return "\n".join(lines)
 
 
@@ -427,18 +623,20 @@ def build_config(cls: type[Config], data: dict[str, Any], source: str = "config"
         raise ConfigError(format_validation_error(error, source, cls)) from None
 
 
-def load_config(
-    path: str | Path | None, cls: type[Config], overrides: list[str] | None = None
-) -> Config:
-    """Read ``path`` (YAML; None = all defaults), apply overrides, validate as ``cls``."""
+def read_config(
+    path: str | Path | None, overrides: list[str] | None = None
+) -> tuple[dict[str, Any], str]:
+    """The raw config ``path`` (YAML; None = all defaults) with ``overrides`` applied, and
+    its source for messages (the file, or ``defaults with --set overrides``): everything
+    :func:`load_config` checks before validation (syntax, :data:`INPUT_LIMITS`), without
+    the config classes, so without torch (the command line reads a config first)."""
     data: dict[str, Any] = {}
     source = "defaults with --set overrides"
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist")
-        if not path.is_file():
-            raise ConfigError(f"config file {path} is not a file")
+        problem = _not_a_file(path)
+        if problem is not None:
+            raise ConfigError(f"config file {path} {problem}; expected a YAML file")
         loaded = _read_yaml(path)
         if loaded is None:
             loaded = {}
@@ -447,4 +645,12 @@ def load_config(
                 f"{path}: expected a mapping of keys at the top level, got {_kind(loaded)}"
             )
         data, source = loaded, str(path)
-    return build_config(cls, merge_dicts(data, parse_overrides(overrides)), source)
+    return merge_dicts(data, parse_overrides(overrides)), source
+
+
+def load_config(
+    path: str | Path | None, cls: type[Config], overrides: list[str] | None = None
+) -> Config:
+    """Read ``path`` (YAML; None = all defaults), apply overrides, validate as ``cls``."""
+    data, source = read_config(path, overrides)
+    return build_config(cls, data, source)

@@ -14,11 +14,14 @@ A model directory holds:
   only; its vocabulary and MASK id must match the model's);
 * ``diffusion_rl.json`` (:data:`INFO_FILE`): what the model was trained for: ``task``, the
   serving ``sampler`` settings, ``trained_steps``, ... (token models also record
-  ``tokenizer``, the tokenizer's name). Optional when loading.
+  ``tokenizer``, the tokenizer's name). Optional when loading;
+* ``manifest.json`` (:mod:`.manifest`): the size and SHA-256 of every other file, written
+  last. Optional when loading (a downloaded checkpoint has none).
 
 :func:`save_model` writes everything into a staging directory next to the target and then
 swaps it in with renames, so an interrupted save leaves the previous directory (or nothing),
-never a half-written model. A new architecture is one :func:`register_model_type` call.
+never a half-written model; the manifest is written last, into the staging directory. A new
+architecture is one :func:`register_model_type` call.
 
 Bounded loading: a model directory may come from anyone, so :func:`load_model` checks it
 before building anything — each JSON file is at most :data:`MAX_JSON_BYTES`; ``config.json``
@@ -30,6 +33,15 @@ config alone by :func:`estimate_parameters`, plus the weights file read beside t
 in the memory available (:func:`available_memory`). Any failure is a
 :class:`ModelConfigError` (a ``ValueError``) naming the file and the field, or a
 :class:`ModelTooLargeError` with the estimate, raised in well under a second.
+
+Verified loading: after those checks, and before anything is built, every file is checked
+against the directory's ``manifest.json`` (sizes and SHA-256; a mismatch is a
+:class:`ManifestMismatchError` naming the file) and every ``*.safetensors`` header must parse
+(:class:`ModelFileError` naming the file: empty, truncated, random bytes, a pickle); a
+directory without a manifest loads after the header checks, with one warning line saying it
+is unverified (:func:`~.manifest.check_model_files`). Weights that do not fit the model
+(a missing or reshaped tensor) are a :class:`ModelFileError` naming the weights file, and
+weights holding NaN or infinity a :class:`NonFiniteWeightsError` naming the tensor.
 
 Hugging Face token checkpoints (LLaDA, Dream, SDAR: docs/models.md) are read from their own
 directories, chosen by ``config.json``'s ``model_type`` (case-insensitive) in
@@ -64,11 +76,21 @@ from .flow_pipelines import PIPELINE_MODEL_TYPE, PipelineModel
 from .loading import (  # noqa: F401 (re-exported: every loader's shared checks)
     MAX_JSON_BYTES,
     HubIdError,
+    ManifestMismatchError,
     ModelConfigError,
+    ModelFileError,
+    NonFiniteWeightsError,
     check_local_directory,
     refuse_hub_id,
 )
 from .lora import is_lora_directory, load_lora_model
+from .manifest import (
+    check_model_files,
+    first_non_finite,
+    warn_unverified,
+    weights_file_name,
+    write_manifest,
+)
 from .tokenizer import CharTokenizer
 from .transformer import MODEL_TYPE as TRANSFORMER_MODEL_TYPE
 from .transformer import DiffusionTransformer
@@ -543,7 +565,7 @@ def _load(
             trust_remote_code=trust_remote_code,
         )
         return LoadedModel(model, "token", tokenizer, info)
-    model = entry.loader.from_pretrained(directory).eval()
+    model = _from_pretrained(entry, directory).eval()
     if dtype is not None or device is not None:
         from .hf.common import resolve_dtype
 
@@ -561,6 +583,49 @@ def _load(
         if "task" not in info and task is not None:
             info["task"] = dict(task)
     return LoadedModel(model, entry.kind, tokenizer, info)
+
+
+def _from_pretrained(entry: ModelType, directory: Path):
+    """``entry.loader.from_pretrained(directory)``, a weights file that does not fit the model
+    (a missing, extra or reshaped tensor; a file the header checks let through) a
+    :class:`ModelFileError` naming it."""
+    import safetensors
+
+    try:
+        return entry.loader.from_pretrained(directory)
+    except (RuntimeError, safetensors.SafetensorError) as error:
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        if len(lines) > 1 and lines[0].startswith("Error(s) in loading state_dict"):
+            lines = lines[1:]  # torch's "Error(s) in loading state_dict for CLASS:"
+        detail = " ".join(lines) or type(error).__name__
+        detail = detail if len(detail) <= 240 else detail[:237] + "..."
+        raise ModelFileError(
+            directory,
+            weights_file_name(directory),
+            f"its weights do not fit the model {CONFIG_FILE} describes ({detail}); the file is "
+            "damaged or belongs to another model: write the directory again or restore it",
+        ) from None
+
+
+def check_finite_weights(model, directory: str | Path) -> None:
+    """Refuse ``model`` (just loaded from ``directory``) if a floating parameter or buffer
+    holds NaN or infinity: :class:`NonFiniteWeightsError` naming the tensor (and the weights
+    file, when the directory has one)."""
+    if not hasattr(model, "state_dict"):
+        return
+    found = first_non_finite(model.state_dict())
+    if found is None:
+        return
+    name, problem = found
+    raise NonFiniteWeightsError(
+        directory,
+        weights_file_name(directory),
+        f"tensor {name!r} holds {problem}; the weights are damaged or come from a diverged "
+        "run: load an earlier checkpoint or model directory",
+        tensor=name,
+    )
 
 
 def load_model(
@@ -596,6 +661,12 @@ def load_model(
         ValueError: the tokenizer does not match the model.
         HubIdError: (a ``ValueError``) ``path`` is not a local directory and looks like a Hub
             id (raised before anything is read; see :func:`check_local_directory`).
+        ManifestMismatchError: (a ``ModelFileError``) a file differs from what the
+            directory's ``manifest.json`` records (naming the file).
+        ModelFileError: (a ``ValueError``) a weights file that is empty, truncated, not
+            safetensors, or whose tensors do not fit the model (naming the file).
+        NonFiniteWeightsError: (a ``ModelFileError``) the weights hold NaN or infinity
+            (naming the tensor).
         CheckpointFormatError / CheckpointKeyError: (``ValueError``) a Hugging Face directory
             whose weights are not safetensors, or do not match its ``config.json``.
     """
@@ -604,10 +675,16 @@ def load_model(
     refuse_hub_id(path, "model directory")
     directory = Path(path)
     if is_lora_directory(directory):  # the base directory's model, then the adapter
-        return load_lora_model(directory, load_model)
+        verified = check_model_files(directory, warn=False)
+        loaded = load_lora_model(directory, load_model)
+        check_finite_weights(loaded.model, directory)
+        if not verified:
+            warn_unverified(directory)
+        return loaded
     checked = check_model_directory(directory, dtype=dtype)
+    verified = check_model_files(directory, warn=False)
     entry = _entry_of(checked["model_type"], directory)
-    return _load(
+    loaded = _load(
         directory,
         entry,
         checked["info"],
@@ -615,6 +692,10 @@ def load_model(
         device=device,
         trust_remote_code=trust_remote_code,
     )
+    check_finite_weights(loaded.model, directory)
+    if not verified:
+        warn_unverified(directory)
+    return loaded
 
 
 def _entry_for(model) -> ModelType:
@@ -652,9 +733,9 @@ def save_model(
     path: str | Path, model, info: dict[str, Any], tokenizer: CharTokenizer | None = None
 ) -> Path:
     """Write ``model`` (``save_pretrained``), ``tokenizer`` (token models: required; flow
-    models: none) and ``info`` into the model directory ``path``, replaced atomically: all of
-    it goes into a staging directory beside ``path`` that is then renamed into place. Returns
-    ``path``.
+    models: none), ``info`` and, last, the ``manifest.json`` of them all into the model
+    directory ``path``, replaced atomically: all of it goes into a staging directory beside
+    ``path`` that is then renamed into place. Returns ``path``.
 
     Raises:
         TypeError: ``model`` is not an instance of a registered model class.
@@ -685,6 +766,7 @@ def save_model(
             tokenizer.save(staging)
             record = {"tokenizer": tokenizer.name, **info}
         (staging / INFO_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        write_manifest(staging)
         _swap_in(staging, directory)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

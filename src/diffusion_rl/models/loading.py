@@ -7,6 +7,10 @@ package so any loader can use it.
   network access and whatever ``HF_HUB_OFFLINE`` says; nothing is ever downloaded.
 * :data:`MAX_JSON_BYTES` and :class:`ModelConfigError`: the bound on every JSON file read and
   the error for a config that fails its checks (both re-exported by :mod:`.io`).
+* :class:`ModelFileError` and its kinds :class:`ManifestMismatchError` (a file that differs
+  from what the directory's ``manifest.json`` records, :mod:`.manifest`) and
+  :class:`NonFiniteWeightsError` (a weights tensor holding NaN or infinity): a file of a model
+  directory that is missing, damaged or not what was written; the message names the file.
 """
 
 from __future__ import annotations
@@ -23,6 +27,46 @@ class ModelConfigError(ValueError):
     """A model directory's ``config.json`` or ``diffusion_rl.json`` that is not valid JSON,
     fails its checks, or asks for sizes beyond the documented limits; the message names the
     file and the field."""
+
+
+class ModelFileError(ValueError):
+    """A file of a model directory that is missing, damaged or unreadable (a weights file that
+    is truncated, empty, random bytes, a pickle, or whose tensors do not fit ``config.json``).
+
+    ``directory``: the model directory; ``file``: the file at fault, relative to it (or
+    ``None``); ``reason``: what is wrong and how to fix it. ``str(error)`` is one line,
+    ``"DIRECTORY/FILE: REASON"``.
+    """
+
+    def __init__(self, directory: str | os.PathLike, file: str | None, reason: str) -> None:
+        self.directory = Path(directory)
+        self.file = file
+        self.reason = " ".join(str(reason).split())  # one line
+        where = self.directory / file if file else self.directory
+        super().__init__(f"{where}: {self.reason}")
+
+    def __reduce__(self):  # keep the attributes across pickling (multiprocessing)
+        return (type(self), (self.directory, self.file, self.reason))
+
+
+class ManifestMismatchError(ModelFileError):
+    """A model directory whose files differ from what its ``manifest.json`` records (size,
+    SHA-256, a listed file missing or an unlisted one added), or whose manifest is damaged:
+    changed after it was written."""
+
+
+class NonFiniteWeightsError(ModelFileError):
+    """A model directory whose weights hold NaN or infinity; ``tensor`` names the first such
+    tensor."""
+
+    def __init__(
+        self, directory: str | os.PathLike, file: str | None, reason: str, tensor: str = ""
+    ) -> None:
+        super().__init__(directory, file, reason)
+        self.tensor = tensor
+
+    def __reduce__(self):
+        return (type(self), (self.directory, self.file, self.reason, self.tensor))
 
 
 class HubIdError(ValueError):

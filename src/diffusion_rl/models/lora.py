@@ -431,7 +431,7 @@ def directory_fingerprint(path: str | os.PathLike) -> str:
         p for p in root.rglob("*") if p.is_file() and p.suffix in (".json", ".safetensors")
     )
     for file in files:
-        if file.name == "diffusion_rl.json":  # run records (trained steps), not the model
+        if file.name in ("diffusion_rl.json", "manifest.json"):  # run records, not the model
             continue
         size = file.stat().st_size
         digest.update(f"{file.relative_to(root).as_posix()}\0{size}\0".encode())
@@ -476,6 +476,9 @@ def save_lora_model(path: str | os.PathLike, model: Any, info: dict[str, Any]) -
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(weights, str(staging / ADAPTER_FILE), metadata={"format": "pt"})
         (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        from .manifest import write_manifest  # sizes and SHA-256 of the files, written last
+
+        write_manifest(staging)
         retired = scratch / "previous"
         if directory.exists():
             directory.rename(retired)

@@ -33,9 +33,12 @@ Invariants:
   model directory is written to ``.model.staging``, fsynced and renamed over ``model/``;
   ``results.json`` is replaced atomically and written last, so its presence means the run
   finished.
-* Ctrl-C: the first SIGINT lets the current step finish, writes a checkpoint of it, says
-  where, and raises :class:`RunInterrupted`; the rerun resumes from that step. A second
-  SIGINT stops at once, saving nothing more (a half-done step is never saved).
+* Ctrl-C and SIGTERM (a cluster's pre-emption, SIGKILL a grace period later): the first
+  SIGINT or SIGTERM lets the current step finish, writes a checkpoint of it and raises
+  :class:`RunInterrupted` (``signum`` says which signal; the CLI exits 130 or 143), whose
+  message says where; the rerun resumes from that step. A second signal of either kind
+  stops at once, saving nothing more (a half-done step is never saved); so does one that
+  comes during the final evaluation.
 * Nothing silent: after every step the trainable parameters are checked; a non-finite one
   raises :class:`NonFiniteParametersError` before anything is saved for that step (no
   checkpoint, no model, no ``results.json``). More than ``max_consecutive_skips`` steps in a
@@ -47,6 +50,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -64,6 +68,7 @@ from ..distributed import World, init_world
 from ..plots import plot_curves
 from ..rollout import collect_rollout
 from ..train import CheckpointManager, MetricsLogger, Trainer, progress
+from ..train.checkpoint import DiskFullError, is_disk_full
 from ..train.loggers import (
     METRICS_FILE,
     WandbLogger,
@@ -118,7 +123,23 @@ class TooManySkippedStepsError(TrainingAbortedError):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped the run; the message says which checkpoint a rerun resumes from."""
+    """Ctrl-C (SIGINT) or SIGTERM stopped the run; the message says which checkpoint a rerun
+    resumes from, ``signum`` which signal it was (the CLI exits ``128 + signum``)."""
+
+    def __init__(self, message: str = "", signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.signum = int(signum)
+
+    def __reduce__(self):  # keep ``signum`` across pickling (multiprocessing)
+        return (type(self), (str(self), self.signum))
+
+
+class _Abort(KeyboardInterrupt):
+    """A second signal (or one outside the step loop): stop at once."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__()
+        self.signum = int(signum)
 
 
 class Recipe:
@@ -338,36 +359,72 @@ class _SkipStreak:
         return self.streak
 
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SIGNAL_NAMES = {signal.SIGINT: b"interrupt (SIGINT)", signal.SIGTERM: b"SIGTERM"}
+
+
 class _InterruptGuard:
-    """While active (in the main thread), the first SIGINT is recorded, not raised: the loop
-    finishes the step it is in, checkpoints it and stops. The previous handler is back from
-    then on, so a second SIGINT interrupts at once."""
+    """While active (in the main thread), the first SIGINT or SIGTERM is recorded
+    (``requested``, ``signum``), not raised: the loop finishes the step it is in, checkpoints
+    it and stops. From then on a second signal of either kind raises at once (a
+    ``KeyboardInterrupt`` with its ``signum``), as does any signal after :meth:`abort_now`.
+    A signal the process ignores (SIG_IGN, e.g. ``nohup`` or a background job's SIGINT)
+    stays ignored. The previous handlers are back on exit."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
+        self.signum: int = signal.SIGINT
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _InterruptGuard:
         if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGINT)
-            if previous not in (signal.SIG_IGN, None):
-                self._previous = previous
-                signal.signal(signal.SIGINT, self._handle)
+            for signum in _SIGNALS:
+                previous = signal.getsignal(signum)
+                if previous not in (signal.SIG_IGN, None):
+                    self._previous[signum] = previous
+                    signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-        signal.signal(signal.SIGINT, self._previous)
+        self.requested, self.signum = True, signum
+        self.abort_now()
+        if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the run
+            return
         os.write(  # async-signal-safe, unlike print
             2,
-            b"\ninterrupt: finishing the current step, then writing a checkpoint "
-            b"(Ctrl-C again stops at once, without it)\n",
+            b"\n"
+            + _SIGNAL_NAMES.get(signum, b"signal")
+            + b": finishing the current step, then writing a checkpoint (a second signal "
+            b"stops at once, without it)\n",
         )
 
+    @staticmethod
+    def _abort(signum: int, frame: Any) -> None:
+        raise _Abort(signum)
+
+    def abort_now(self) -> None:
+        """From now on a signal stops the run at once."""
+        for signum in self._previous:
+            signal.signal(signum, self._abort)
+
     def __exit__(self, *exc_info: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+
+def _signum(stop: BaseException, interrupt: _InterruptGuard) -> int:
+    """The signal that stopped the run: ``stop``'s own, else the one the guard recorded,
+    else SIGINT (a ``KeyboardInterrupt`` raised by the step itself)."""
+    signum = getattr(stop, "signum", None)
+    if signum is None:
+        signum = interrupt.signum if interrupt.requested else signal.SIGINT
+    return int(signum)
+
+
+def _by(signum: int) -> str:
+    """How an interrupt message names its signal: nothing for Ctrl-C, `` (SIGTERM)``."""
+    return "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
 
 
 def _fsync_tree(root: Path) -> None:
@@ -399,6 +456,12 @@ def _where(checkpoint: Path | None) -> str:
     if checkpoint is None:
         return "no checkpoint was written yet, so a rerun starts from step 0"
     return f"the last checkpoint, {checkpoint}, is intact"
+
+
+def _short(error: BaseException) -> str:
+    """``Type: message`` of ``error`` in one line of at most 200 characters."""
+    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _lr(config: Any) -> str:
@@ -531,35 +594,51 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
                         save()
                 if saved_at != recipe.steps_done():
                     save()  # the last step (or the one Ctrl-C let finish)
-            except KeyboardInterrupt:  # mid-step: a second Ctrl-C, or raised by the step
+            except KeyboardInterrupt as stop:  # mid-step: a second signal, or raised by the step
+                signum = _signum(stop, interrupt)
                 message = (
-                    f"interrupted during step {recipe.steps_done() + 1}: nothing of it was "
-                    f"saved; {_where(checkpoint)}"
+                    f"interrupted{_by(signum)} during step {recipe.steps_done() + 1}: nothing "
+                    f"of it was saved; {_where(checkpoint)}"
                 )
-                echo(message)
-                raise RunInterrupted(message) from None
+                raise RunInterrupted(message, signum) from None
             finally:
                 bar.close()
-        if world.any(interrupt.requested):
-            message = (
-                f"interrupted: checkpoint of step {saved_at} written to {checkpoint}; run the "
-                "same command again to resume from it"
-            )
-            echo(message)
-            raise RunInterrupted(message)
-        try:
-            evaluate("after")
-        except KeyboardInterrupt:
-            message = f"interrupted in the final evaluation; {_where(checkpoint)}"
-            echo(message)
-            raise RunInterrupted(message) from None
+            # The messages are the exceptions': the CLI prints each once, as its last line.
+            interrupt.abort_now()  # from here on a signal stops the run at once
+            try:
+                if world.any(interrupt.requested):
+                    signum = world.max(interrupt.signum if interrupt.requested else 0)
+                    message = (
+                        f"interrupted{_by(signum)}: checkpoint of step {saved_at} written to "
+                        f"{checkpoint}; run the same command again to resume from it"
+                    )
+                    raise RunInterrupted(message, signum)
+                evaluate("after")
+            except RunInterrupted:
+                raise
+            except KeyboardInterrupt as stop:
+                signum = _signum(stop, interrupt)
+                message = f"interrupted{_by(signum)} in the final evaluation; {_where(checkpoint)}"
+                raise RunInterrupted(message, signum) from None
 
     trainer.publish()
     if not world.is_main:
         world.barrier()  # rank 0 writes the figure, the model and results.json
         return world.broadcast(None)
-    figure = recipe.plot(out, history)
-    save_final_model(recipe, out)
+    try:
+        figure = recipe.plot(out, history)
+        save_final_model(recipe, out)
+    except Exception as error:  # torch's / safetensors' own report of a full disk: ours
+        if not is_disk_full(error):
+            raise
+        shutil.rmtree(out / _MODEL_STAGING, ignore_errors=True)  # give the space back
+        kept = f"the checkpoint of the last step, {checkpoint}, is intact" if checkpoint else ""
+        raise DiskFullError(
+            errno.ENOSPC,
+            f"disk full while writing the final model to {out / MODEL_DIR} ({_short(error)}); "
+            f"{kept or _where(checkpoint)}: free space on that disk, then run the same "
+            "command again to write the model",
+        ) from error
     results = {
         "recipe": recipe.name,
         "steps": recipe.steps_done(),

@@ -38,6 +38,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from ..config import ConfigError, WorkflowRLRecipeConfig
 from ..evaluation import evaluate_workflow
 from ..models.io import save_model
+from ..models.manifest import write_manifest
 from ..plots import plot_curve_groups, save_video_gif, save_video_strip
 from ..rewards import CombinedReward, get_reward
 from ..rollout import collect_workflow_rollout
@@ -309,6 +310,7 @@ class WorkflowRLRecipe(Recipe):
             stages.append({**stage.model_dump(mode="json"), "model": stage.name})
         spec = {"name": self.spec.name, "task": self.spec.task, "stages": stages}
         (directory / WORKFLOW_FILE).write_text(yaml.safe_dump(spec, sort_keys=False))
+        write_manifest(directory, self.steps_done())  # every stage's files too, written last
 
     def results(self, history) -> dict[str, Any]:
         return {

@@ -15,6 +15,13 @@ docs/math.md §5. For SDE step ``k`` of a row the learner needs
 calls, like the token world's ``ReplayScorer.score(batch)``); ``score_trace(trace, steps)``
 replays whole traces.
 
+Told what to expect (``stage=``, ``weights_version=``), the scorer refuses a trace that another
+stage sampled (:class:`~diffusion_rl.trace.StageMismatchError`) or that other rollout weights
+sampled (:class:`~diffusion_rl.trace.StaleTraceError`), naming the stage and both versions,
+before it replays anything (:meth:`FlowReplayScorer.check_trace`; the learner's own check,
+``PolicyLearner.check_trace``, raises the same types). Without it, two stages with equal
+latent shapes would replay each other's traces silently.
+
 At the behaviour weights, under the sampler's precision, the replayed log-probs equal the
 trace's bitwise (the parity diagnostic): same tensors in, same kernels, same shapes.
 """
@@ -31,7 +38,7 @@ from ..contracts import FlowStepBatch
 from ..guidance import guided_velocity
 from ..kernels import KERNELS
 from ..models.protocol import VelocityModel
-from ..trace import FlowTrace
+from ..trace import FlowTrace, StageMismatchError, StaleTraceError
 
 SETTINGS = ("guidance_scale", "noise_level", "variant", "reduction", "kernel_id")
 
@@ -64,6 +71,9 @@ class FlowReplayScorer:
     Settings (what the rollout used; :meth:`for_trace` reads them from a trace):
     ``guidance_scale``, ``noise_level``, ``variant``, ``reduction`` and the SDE ``kernel_id``.
     ``stop_gradient=True`` scores without building a graph (reference / old policy).
+    ``stage`` / ``weights_version``: the workflow stage and the rollout weights version whose
+    traces this scorer replays (None: not checked); a trace of another is refused
+    (:meth:`check_trace`).
     """
 
     def __init__(
@@ -76,7 +86,23 @@ class FlowReplayScorer:
         reduction: str,
         kernel_id: str,
         stop_gradient: bool = False,
+        stage: str | None = None,
+        weights_version: int | None = None,
     ) -> None:
+        if stage is not None and not isinstance(stage, str):
+            raise TypeError(
+                f"stage: expected the name of the workflow stage whose traces this scorer "
+                f"replays (a str, '' outside workflows) or None, got {type(stage).__name__}"
+            )
+        if weights_version is not None and (
+            isinstance(weights_version, bool)
+            or not isinstance(weights_version, int)
+            or weights_version < 0
+        ):
+            raise ValueError(
+                f"weights_version: expected the rollout weights version this scorer replays "
+                f"(an int >= 0) or None, got {weights_version!r}"
+            )
         kernel = KERNELS.get(kernel_id)
         if kernel.op != "flow_sde_step":
             raise ValueError(
@@ -92,6 +118,32 @@ class FlowReplayScorer:
             "kernel_id": kernel_id,
         }
         self.stop_gradient = stop_gradient
+        self.stage = stage
+        self.weights_version = weights_version
+
+    def check_trace(self, trace: FlowTrace) -> None:
+        """Refuse a trace that does not carry the stage (:class:`StageMismatchError`) or the
+        rollout weights version (:class:`StaleTraceError`) this scorer was told to expect;
+        an expectation left None, or a trace without the field, is not checked."""
+        sampled_by = getattr(trace, "stage", None)
+        version = getattr(trace, "weights_version", None)
+        if self.stage is not None and sampled_by is not None and sampled_by != self.stage:
+            raise StageMismatchError(
+                f"stage: the trace was sampled by stage {sampled_by!r} (rollout weights "
+                f"v{version}); this scorer replays stage {self.stage!r}; hand each stage's "
+                "scorer the traces its own rollout weights sampled"
+            )
+        if (
+            self.weights_version is not None
+            and version is not None
+            and version != self.weights_version
+        ):
+            where = f" of stage {self.stage!r}" if self.stage else ""
+            raise StaleTraceError(
+                f"weights_version: the trace was sampled with rollout weights v{version}, this "
+                f"scorer{where} replays v{self.weights_version}; sample fresh rollouts, or "
+                "build the scorer for the trace's version"
+            )
 
     @staticmethod
     def trace_settings(trace: FlowTrace) -> dict:
@@ -111,7 +163,11 @@ class FlowReplayScorer:
 
     @classmethod
     def for_trace(cls, model: VelocityModel, trace: FlowTrace, **options) -> FlowReplayScorer:
-        return cls(model, **cls.trace_settings(trace), **options)
+        """A scorer with the settings ``trace`` recorded; ``options``: ``stop_gradient``,
+        ``stage``, ``weights_version`` (the trace is checked against the last two at once)."""
+        scorer = cls(model, **cls.trace_settings(trace), **options)
+        scorer.check_trace(trace)
+        return scorer
 
     def _context(self):
         return torch.no_grad() if self.stop_gradient else contextlib.nullcontext()
@@ -150,7 +206,9 @@ class FlowReplayScorer:
         self, trace: FlowTrace, steps: Sequence[int] | None = None, *, return_means: bool = False
     ) -> FlowScores:
         """Replay ``steps`` (default: every SDE step) of every row, forward group by forward
-        group as the sampler ran them."""
+        group as the sampler ran them. A trace of another stage or version than the one the
+        scorer expects is refused first (:meth:`check_trace`)."""
+        self.check_trace(trace)
         recorded = self.trace_settings(trace)
         for key in SETTINGS:
             if recorded[key] != self.settings[key]:

@@ -10,13 +10,18 @@ Every request passes one ASGI guard first (:class:`_Guard`): the API key
 (``Authorization: Bearer KEY``, compared in constant time; 401 otherwise) when the settings
 have one, then the body size (``Content-Length`` and the bytes actually received, at most
 ``max_body_bytes``, ``max_update_bytes`` for ``/update_weights``; 413 otherwise), then the
-route, timed into the ``request_latency_seconds`` histogram. Every error is the OpenAI error
-JSON (:mod:`.errors`); validation errors are 400 naming the field.
+route, timed into the ``request_latency_seconds`` histogram and counted in
+``requests_total{route,status}`` — every answer, 5xx included: an exception no route handled
+is answered by the guard itself with a generic 500 (``type: server_error``, a request id; the
+exception and its traceback go to the log, logger ``diffusion_rl.serving``, never to the
+client). Every error is the OpenAI error JSON (:mod:`.errors`); validation errors are 400
+naming the field, JSON bodies are bounded (:mod:`.routing`: ``application/json`` only, else
+415; depth, number size, encoding: 400).
 
 ``POST /update_weights`` is the one route that reads the file system, and only below
-``settings.update_weights_dirs`` (:func:`confined_directory`); with a
-``application/octet-stream`` body of safetensors it updates from tensors, when
-``settings.allow_tensor_updates``.
+``settings.update_weights_dirs`` (:func:`confined_directory`: the directory and every file in
+it, symlinks resolved); with a ``application/octet-stream`` body of safetensors it updates
+from tensors, when ``settings.allow_tensor_updates``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 import hmac
 import importlib
 import json
+import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -36,21 +43,93 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, ServedModel
-from .errors import RequestError, describe_validation, error_body
-from .routing import ClientDisconnected, parse_json_body, weights_fields, weights_headers
+from .errors import RequestError, describe_validation
+from .routing import (
+    ClientDisconnected,
+    parse_json_body,
+    require_json,
+    server_error_body,
+    weights_fields,
+    weights_headers,
+)
 from .settings import ServeSettings
 
-__all__ = ["OPTIONAL_ROUTERS", "confined_directory", "create_app"]
+__all__ = ["OPTIONAL_ROUTERS", "confined_directory", "confined_files", "create_app"]
+
+logger = logging.getLogger("diffusion_rl.serving")
 
 OPTIONAL_ROUTERS = ("rollout_routes", "media")
 """Modules of this package whose ``router(engine, settings)`` is included when they exist."""
 MAX_PATH_CHARS = 4096
+MAX_UPDATE_FILES = 100_000
+
+
+def _resolve(path: Path, param: str = "directory", *, user: bool = False) -> Path:
+    """``path`` resolved (symlinks followed; ``~`` expanded when ``user``); a symlink loop or
+    an unknown ``~user`` is a 400 naming ``param``, not an exception."""
+    try:
+        return (path.expanduser() if user else path).resolve()
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise RequestError(
+            400, f"{param}: {str(path)!r} cannot be resolved ({error})", param=param
+        ) from None
+
+
+def _inside(path: Path, allowed: list[Path]) -> bool:
+    return any(path == root or path.is_relative_to(root) for root in allowed)
+
+
+def confined_files(directory: Path, allowed: list[Path], param: str = "directory") -> None:
+    """Refuse (403, naming the file) ``directory`` if any entry below it resolves (symlinks
+    followed) outside the ``allowed`` roots; a symlinked subdirectory that stays inside is
+    walked too (each real directory once)."""
+    seen: set[Path] = set()
+    pending, count = [directory], 0
+    while pending:
+        current = pending.pop()
+        real = _resolve(current, param)
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            entries = sorted(os.scandir(current), key=lambda entry: entry.name)
+        except OSError as error:
+            raise RequestError(
+                400, f"{param}: {current} cannot be listed ({error.strerror})", param=param
+            ) from None
+        for entry in entries:
+            count += 1
+            if count > MAX_UPDATE_FILES:
+                raise RequestError(
+                    400,
+                    f"{param}: more than {MAX_UPDATE_FILES} files below {directory}",
+                    param=param,
+                )
+            path = Path(entry.path)
+            target = _resolve(path, param)
+            if not _inside(target, allowed):
+                raise RequestError(
+                    403,
+                    f"{param}: {path} resolves to {target}, outside the directories updates "
+                    f"may read ({[str(root) for root in allowed]}); copy the file in instead "
+                    "of linking it",
+                    param=param,
+                    code="path_not_allowed",
+                )
+            if target.is_dir():
+                pending.append(path)
+
+
+def _allowed_roots(settings: ServeSettings) -> list[Path]:
+    return [Path(root).expanduser().resolve() for root in settings.update_weights_dirs or ()]
 
 
 def confined_directory(path: Any, settings: ServeSettings) -> Path:
     """``path`` resolved (symlinks followed) if it lies within one of
-    ``settings.update_weights_dirs``; RequestError 403 when updates from directories are off
-    or the path resolves outside them, 400 when it is not a directory."""
+    ``settings.update_weights_dirs``, and so does every file below it (:func:`confined_files`)
+    and, for a trained pipeline model directory, its recorded base pipeline; RequestError 403
+    when updates from directories are off or a path resolves outside them, 400 when it is not
+    a directory or is a LoRA directory."""
     roots = settings.update_weights_dirs
     if roots is None:
         raise RequestError(
@@ -66,9 +145,9 @@ def confined_directory(path: Any, settings: ServeSettings) -> Path:
             f"directory: expected a path of 1 .. {MAX_PATH_CHARS} characters",
             param="directory",
         )
-    resolved = Path(path).expanduser().resolve()
-    allowed = [Path(root).expanduser().resolve() for root in roots]
-    if not any(resolved == root or resolved.is_relative_to(root) for root in allowed):
+    resolved = _resolve(Path(path), user=True)
+    allowed = _allowed_roots(settings)
+    if not _inside(resolved, allowed):
         raise RequestError(
             403,
             f"directory: {path!r} is outside the directories updates may read "
@@ -87,7 +166,48 @@ def confined_directory(path: Any, settings: ServeSettings) -> Path:
             "export it with 'diffusion-rl export --merge' into an allowed directory",
             param="directory",
         )
+    confined_files(resolved, allowed)
+    base = _pipeline_base(resolved)
+    if base is not None:
+        if not _inside(base, allowed):
+            raise RequestError(
+                403,
+                f"directory: {path!r} is a trained pipeline model whose base pipeline {base} "
+                "lies outside the directories updates may read; export it with "
+                "'diffusion-rl export --merge' into an allowed directory",
+                param="directory",
+                code="path_not_allowed",
+            )
+        if not base.is_dir():
+            raise RequestError(
+                400,
+                f"directory: {path!r} is a trained pipeline model whose base pipeline {base} "
+                "is not a directory; put it back, or export the model with 'diffusion-rl "
+                "export --merge'",
+                param="directory",
+            )
+        confined_files(base, allowed)
     return resolved
+
+
+def _pipeline_base(directory: Path) -> Path | None:
+    """The resolved base pipeline a trained pipeline model directory records, else None."""
+    from ..models.flow_pipelines import PIPELINE_MODEL_TYPE
+    from ..models.loading import MAX_JSON_BYTES
+
+    config = directory / "config.json"
+    try:
+        if not config.is_file() or config.stat().st_size > MAX_JSON_BYTES:
+            return None
+        data = json.loads(config.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None  # the loader names what is wrong with it
+    if not isinstance(data, dict) or data.get("model_type") != PIPELINE_MODEL_TYPE:
+        return None
+    base = data.get("base")
+    if not isinstance(base, str) or not base or "\0" in base:
+        return directory  # the loader refuses the record
+    return _resolve(Path(base))  # as the loader reads it (models/flow_pipelines.py)
 
 
 class UpdateFromDirectory(BaseModel):
@@ -182,6 +302,7 @@ class _Guard:
             if not message.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
+        started_response = {"sent": False}
 
         async def replay():
             nonlocal replayed
@@ -190,7 +311,18 @@ class _Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send_timed)
+        async def send_tracked(message) -> None:
+            if message["type"] == "http.response.start":
+                started_response["sent"] = True
+            await send_timed(message)
+
+        try:
+            await self.app(scope, replay, send_tracked)
+        except Exception as error:  # noqa: BLE001 (no route handled it: a generic 500)
+            if started_response["sent"]:  # a stream that broke: nothing more can be sent
+                logger.error("%s %s failed mid-response", scope.get("method"), path, exc_info=error)
+                raise
+            await _send_json(send_timed, 500, server_error_body(scope, error))
 
     def _too_large(self, size: int, limit: int) -> RequestError:
         return RequestError(
@@ -279,9 +411,8 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def _server_error(_request, error: Exception):
-        body = error_body(f"{type(error).__name__}: {error}", "server_error")
-        return JSONResponse(body, status_code=500)
+    async def _server_error(request: Request, error: Exception):  # (the guard answers first)
+        return JSONResponse(server_error_body(request.scope, error), status_code=500)
 
     @app.get("/health")
     async def health():
@@ -327,6 +458,7 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
         raw = await request.body()
         started = time.perf_counter()
         if content_type == "application/json":
+            require_json(request)  # its charset too
             body = parse_json_body(raw, UpdateFromDirectory)
             previous = engine.get(body.model)
             directory = confined_directory(body.directory, settings)
@@ -383,7 +515,7 @@ def _update_query(request: Request) -> tuple[str, int | None]:
     version = params.get("version")
     if version is None:
         return model, None
-    if not version.isdigit() or len(version) > 18:
+    if not (version.isascii() and version.isdigit()) or len(version) > 18:
         raise RequestError(
             400, f"version: expected a non-negative integer, got {version!r}", param="version"
         )

@@ -57,6 +57,7 @@ __all__ = [
     "ServedModel",
     "load_served_model",
     "load_served_workflow",
+    "load_update_directory",
     "model_tensors",
     "tensor_digest",
     "weights_checksum",
@@ -114,7 +115,43 @@ def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     try:
         return load_model_tensors(directory)
     except CheckpointCorruptError as error:
-        raise RequestError(400, f"directory: {error}", param="directory") from None
+        raise RequestError(
+            400, f"directory: {error}", param="directory", code="corrupt_checkpoint"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise RequestError(400, f"directory: {_one_line(error)}", param="directory") from None
+
+
+def _one_line(error: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_update_directory(name: str, directory: str | Path, version: int) -> ServedModel:
+    """:func:`load_served_model` for an update from ``directory`` (already confined by the
+    caller): every failure to read it — a file that differs from its manifest, a damaged
+    weights file, bad JSON, a config that fails its checks, weights that do not fit — is a
+    RequestError 400 naming the file (``param: directory``); nothing is served from it."""
+    from ..models.loading import ManifestMismatchError, ModelFileError
+
+    try:
+        return load_served_model(name, directory, version=version)
+    except ManifestMismatchError as error:
+        raise RequestError(
+            400, f"directory: {error}", param="directory", code="manifest_mismatch"
+        ) from None
+    except ModelFileError as error:
+        raise RequestError(
+            400, f"directory: {error}", param="directory", code="invalid_model_files"
+        ) from None
+    except (OSError, TypeError, ValueError, KeyError, RecursionError) as error:
+        raise RequestError(400, f"directory: {_one_line(error)}", param="directory") from None
+    except RuntimeError as error:  # torch refusing weights that do not fit (a pipeline's)
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        raise RequestError(
+            400, f"directory: {directory}: {_one_line(error)}", param="directory"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -237,19 +274,25 @@ def load_served_model(
 ) -> ServedModel:
     """A model directory as a :class:`ServedModel` at ``version``: any directory
     :func:`~diffusion_rl.models.io.load_model` reads (built-in, LLaDA / Dream / SDAR, LoRA,
-    a trained pipeline) or a local diffusers pipeline directory (``model_index.json``)."""
-    from ..models.io import load_model
+    a trained pipeline) or a local diffusers pipeline directory (``model_index.json``), each
+    verified against its manifest when it has one (:mod:`diffusion_rl.models.manifest`)."""
+    from ..models.io import check_finite_weights, load_model
 
     if (Path(path) / "model_index.json").is_file():
         from ..models.flow_pipelines import flow_directory_kind, load_pipeline_model
+        from ..models.manifest import check_model_files, warn_unverified
 
         pipeline_kind, _ = flow_directory_kind(path)
+        verified = check_model_files(path, warn=False)  # an export's manifest, the headers
         model, kind, tokenizer, info = (
             load_pipeline_model(path, pipeline_kind).eval(),
             "flow",
             None,
             {},
         )
+        check_finite_weights(model, path)
+        if not verified:
+            warn_unverified(path)
         if device is not None:
             model = model.to(device)
     else:
@@ -602,10 +645,7 @@ class Engine:
                     "safetensors body), not from a directory",
                     param="directory",
                 )
-            try:
-                loaded = load_served_model(name, directory, version=new_version)
-            except (FileNotFoundError, TypeError, ValueError) as error:
-                raise RequestError(400, f"directory: {error}", param="directory") from None
+            loaded = load_update_directory(name, directory, new_version)
             if loaded.kind != current.kind:
                 raise RequestError(
                     400,
@@ -616,6 +656,8 @@ class Engine:
             lane.digests = None
             self._served[name] = loaded
             return loaded
+        from ..models.manifest import non_finite
+
         tensors = model_tensors(current.kind, current.model)
         for key, value in state_dict.items():
             target = tensors.get(key)
@@ -633,6 +675,14 @@ class Engine:
                     400,
                     f"tensors: {key!r} is {value.dtype} {tuple(value.shape)}, the model's is "
                     f"{target.dtype} {tuple(target.shape)}",
+                    param="tensors",
+                )
+            problem = non_finite(value)
+            if problem is not None:
+                raise RequestError(
+                    400,
+                    f"tensors: {key!r} holds {problem}; send finite weights (a diverged "
+                    "trainer's are refused)",
                     param="tensors",
                 )
         if lane.digests is None:

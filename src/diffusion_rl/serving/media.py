@@ -54,7 +54,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..sampling.flow import FlowSamplerConfig, sample_flow
 from .engine import Engine, ServedModel
 from .errors import RequestError, busy, describe_validation
-from .routing import cancel_on_disconnect, parse_json_body, weights_fields, weights_headers
+from .routing import (
+    cancel_on_disconnect,
+    read_json_body,
+    server_error_body,
+    weights_fields,
+    weights_headers,
+)
 from .settings import ServeSettings
 
 __all__ = [
@@ -469,7 +475,7 @@ def router(engine: Engine, settings: ServeSettings) -> APIRouter:
     @api.post("/v1/images/generations")
     async def images(request: Request):
         submitted = time.perf_counter()
-        body = parse_json_body(await request.body(), ImageRequest)
+        body = await read_json_body(request, ImageRequest)
         if body.response_format == "url":
             raise RequestError(
                 400,
@@ -548,8 +554,9 @@ def router(engine: Engine, settings: ServeSettings) -> APIRouter:
         except RequestError as error:
             job.status, job.error = "failed", {"message": error.message, "code": error.code}
         except Exception as error:  # noqa: BLE001 (the job's own failure, reported in it)
-            job.status = "failed"
-            job.error = {"message": f"{type(error).__name__}: {error}", "code": "server_error"}
+            job.status = "failed"  # generic, as a 500's body: the detail goes to the log only
+            message = server_error_body({"method": "POST", "path": "/v1/videos"}, error)
+            job.error = {"message": message["error"]["message"], "code": "server_error"}
         else:
             job.clips, job.tensors, job.served = result["clips"], result["tensors"], served
             job.timings = {**_timings({**result, "batch_rows": job.n}, submitted)}
@@ -559,7 +566,7 @@ def router(engine: Engine, settings: ServeSettings) -> APIRouter:
 
     @api.post("/v1/videos")
     async def create_video(request: Request):
-        body = parse_json_body(await request.body(), VideoRequest)
+        body = await read_json_body(request, VideoRequest)
         served = engine.get(body.model)
         if served.kind == "token" or (served.kind == "flow" and not makes_clips(served.model)):
             raise RequestError(

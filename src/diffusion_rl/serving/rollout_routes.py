@@ -51,7 +51,7 @@ from ..trace_io import rollout_to_bytes
 from .engine import Engine, ServedModel
 from .errors import RequestError, describe_validation
 from .generation import completion_tokens, left_pad, model_device
-from .routing import cancel_on_disconnect, parse_json_body, weights_fields, weights_headers
+from .routing import cancel_on_disconnect, read_json_body, weights_fields, weights_headers
 from .settings import ServeSettings
 
 __all__ = ["RolloutRequest", "router"]
@@ -398,7 +398,7 @@ def router(engine: Engine, settings: ServeSettings) -> APIRouter:
     @routes.post("/rollout/generate", response_class=Response)
     async def generate(raw: Request) -> Response:
         started = time.perf_counter()
-        request = parse_json_body(await raw.body(), RolloutRequest)
+        request = await read_json_body(raw, RolloutRequest)
         served = engine.get(request.model)
         _check_version(served, request.weights_version)  # early; checked again in the batch
         if served.kind == "token":

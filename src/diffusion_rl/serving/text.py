@@ -39,7 +39,7 @@ from ..sampling import TokenSamplerConfig
 from .engine import Engine, ServedModel
 from .errors import RequestError, describe_validation
 from .generation import completion_tokens, left_pad, sample_completions
-from .routing import cancel_on_disconnect, parse_json_body, weights_fields, weights_headers
+from .routing import cancel_on_disconnect, read_json_body, weights_fields, weights_headers
 from .settings import ServeSettings
 
 __all__ = ["ChatRequest", "CompletionRequest", "router"]
@@ -471,7 +471,7 @@ def router(engine: Engine, settings: ServeSettings) -> APIRouter:
     async def serve(request: Request, chat: bool) -> Any:
         submitted = time.perf_counter()
         schema = ChatRequest if chat else CompletionRequest
-        body = parse_json_body(await request.body(), schema)
+        body = await read_json_body(request, schema)
         field = "messages" if chat else "prompt"
         if chat:
             served = engine.get(body.model)

@@ -96,7 +96,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import hashlib
 import json
 import os
 import pickle
@@ -113,6 +112,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from ..checksums import file_sha256 as _sha256  # shared with models/manifest.py
+from ..checksums import manifest_digest as _manifest_digest
 from ..distributed import World
 from ..models.lora import has_lora
 from .parallel import is_sharded, local_tensor
@@ -122,6 +123,7 @@ __all__ = [
     "CheckpointDiskFullError",
     "CheckpointManager",
     "CheckpointMismatchError",
+    "DiskFullError",
     "LoadedCheckpoint",
     "NonFiniteStateError",
     "StagedState",
@@ -131,6 +133,7 @@ __all__ = [
     "check_sharded_optimizer",
     "checkpoint_state",
     "collective_world",
+    "is_disk_full",
     "load_model_tensors",
     "load_weights",
     "read_checkpoint",
@@ -218,7 +221,13 @@ class NonFiniteStateError(ValueError):
         return (type(self), (str(self), self.tensor))
 
 
-class CheckpointDiskFullError(OSError):
+class DiskFullError(OSError):
+    """The disk filled up during a write (``errno`` ENOSPC), whichever library reported it
+    (an ``OSError``, safetensors' ``SafetensorError``, torch.save's ``RuntimeError``: see
+    :func:`is_disk_full`); the message names what was being written and what is intact."""
+
+
+class CheckpointDiskFullError(DiskFullError):
     """The disk filled up during a checkpoint write (``errno`` ENOSPC or EDQUOT). The message
     says which directory and which checkpoint ``latest`` still names (left intact)."""
 
@@ -307,19 +316,6 @@ def _write_file(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _manifest_digest(body: Mapping[str, Any]) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def _short(error: BaseException) -> str:
@@ -860,16 +856,46 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _is_disk_full(error: BaseException) -> bool:
-    if isinstance(error, OSError) and error.errno in _DISK_FULL_ERRNOS:
-        return True
-    failures = getattr(error, "failures", None)  # DCP's CheckpointException: every rank's
-    if isinstance(failures, dict) and any(
-        isinstance(item, tuple) and item and _is_disk_full(item[0]) for item in failures.values()
-    ):
-        return True
-    text = str(error)  # safetensors wraps the OS error in its own exception type
-    return "No space left on device" in text or "Disk quota exceeded" in text
+# How a full disk reads when no OSError says so: safetensors wraps the OS error in its own
+# SafetensorError ("I/O error: No space left on device (os error 28)"); torch.save's zip
+# writer raises RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos N vs
+# M") when a write comes up short (the OSError, if any, is only its __context__; writing to a
+# path, not even that: "basic_ios::clear: iostream error").
+_DISK_FULL_TEXTS = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "os error 28",
+    "StorageFull",
+    "unexpected pos",
+    "PytorchStreamWriter failed writing",
+)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` reports a full disk: an ``OSError`` with ENOSPC / EDQUOT, a library's
+    own wrapping of one (:data:`_DISK_FULL_TEXTS`), DCP's gathered failures of every rank,
+    or an error raised from or while handling any of these."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _DISK_FULL_ERRNOS:
+            return True
+        failures = getattr(error, "failures", None)  # DCP's CheckpointException
+        if isinstance(failures, dict) and any(
+            isinstance(item, tuple)
+            and item
+            and isinstance(item[0], BaseException)
+            and is_disk_full(item[0])
+            for item in failures.values()
+        ):
+            return True
+        if any(text in str(error) for text in _DISK_FULL_TEXTS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+_is_disk_full = is_disk_full
 
 
 # ----------------------------------------------------------------------------- sharded (DCP)
@@ -1696,6 +1722,9 @@ class CheckpointManager:
     def _disk_full(self, error: BaseException, final: Path, written: bool) -> OSError:
         previous = self._previous(exclude=final if written else None)
         cause = getattr(error, "strerror", None) or "no space left on device"
+        if not isinstance(error, OSError):  # a library's own report: say which it was
+            text = " ".join(str(error).split())
+            cause = f"{cause}: {type(error).__name__}: {text[:160]}"
         if written:
             outcome = f"{final.name} was written completely, but `latest` was not updated"
         else:

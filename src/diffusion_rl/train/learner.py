@@ -40,6 +40,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..contracts import LossOutput
+from ..trace import StageMismatchError
 from .roles import PolicyRoles, StaleTraceError
 from .trainer import Trainer
 
@@ -103,10 +104,6 @@ class MicroBatch:
 
 
 pytree.register_dataclass(MicroBatch, serialized_type_name="diffusion_rl.train.learner.MicroBatch")
-
-
-class StageMismatchError(StaleTraceError):
-    """A trace handed to a stage it was not sampled by (a workflow's traces mixed up)."""
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ..models.lora import LoraReference, has_lora, lora_reference
+from ..trace import StaleTraceError  # noqa: F401 (re-exported: defined below scoring/ too)
 from .parallel import Parallel
-
-
-class StaleTraceError(ValueError):
-    """A trace sampled with weights other than the ones the learner is about to update."""
 
 
 def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:

@@ -57,6 +57,9 @@ def export_flow_model(source: str | Path, out_dir: str | Path) -> Path:
     try:
         staging = scratch / out.name
         adapter.save_merged(staging, in_place=True)
+        from ..manifest import write_manifest  # sizes and SHA-256 of every file, written last
+
+        write_manifest(staging)
         if out.exists():
             out.rmdir()
         staging.rename(out)
