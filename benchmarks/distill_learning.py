@@ -15,6 +15,13 @@
    fraction of the student-teacher gap each run closed, ``(after - start) / (teacher -
    start)``; the machine's load average before and after, and each run's CPU and wall
    seconds (CPU / wall < 1 means the run waited for a core).
+5. Beside the accuracy, measures neither loss trains on, so that a gain that is reward or
+   teacher hacking shows as a drop there (``heldout.token_metrics``, after the runs, on the
+   same held-out problems with the distill run's sampler, for the teacher, the start and
+   both results): the fraction of greedy completions that are **well-formed** (a number
+   followed by the stop token, nothing else), their partial-credit **digits** score, and
+   the verifier's accuracy when **sampling at T = 1** (4 samples per problem: the student's
+   own distribution, not its greedy mode; and ``pass@4``).
 
 Writes ``OUT/report.png`` (accuracy against CPU minutes, the teacher as a line) and prints one
 JSON object as the last line of stdout; ``target_met``: student <= half the teacher's
@@ -49,8 +56,8 @@ clock = time.process_time if budget_kind == "cpu" else time.perf_counter
 cpu0, wall0, start = time.process_time(), time.perf_counter(), clock()
 cpu_at_step = {0: 0.0}
 real_step = Trainer.train_step
-def train_step(self, micro_batches):  # stop through the recipe's normal end once spent
-    result = real_step(self, micro_batches)
+def train_step(self, micro_batches, *args, **kwargs):  # stop through the normal end once spent
+    result = real_step(self, micro_batches, *args, **kwargs)
     cpu_at_step[self.global_step] = time.process_time() - cpu0
     if clock() - start > budget:
         config.steps = self.global_step
@@ -86,6 +93,11 @@ def sft_model(out: Path, task: dict, width: int, layers: int, steps: int, thread
         env=env,
     )
     return str(out / "model")
+
+
+# What the losses do not train on (heldout.token_metrics): per run before / after / change.
+HELDOUT_SAMPLES, HELDOUT_TEMPERATURE = 4, 1.0
+HELDOUT_MEASURES = ("well_formed", "digits", "sampled_accuracy", f"pass@{HELDOUT_SAMPLES}")
 
 
 def plot(png: Path, curves: dict, teacher: float, start: float, title: str) -> Path:
@@ -233,20 +245,43 @@ def main() -> None:
             raise SystemExit(f"{name} run failed with exit code {proc.returncode}")
         runs[name] = json.loads(stdout.strip().splitlines()[-1])
     load_after = os.getloadavg()
+    wall_runs = time.perf_counter() - started
+
+    # The held-out measures, in this process at one thread after the runs.
+    import torch
+    from heldout import token_metrics
+
+    from diffusion_rl.config import DistillRecipeConfig, build_config
+
+    torch.set_num_threads(1)
+    print("held-out measures ...", file=sys.stderr)
+    eval_started = time.perf_counter()
+    eval_config = build_config(DistillRecipeConfig, configs["distill"])
+    heldout = {
+        name: token_metrics(
+            model_dir, eval_config, samples=HELDOUT_SAMPLES, temperature=HELDOUT_TEMPERATURE
+        )
+        for name, model_dir in {
+            "teacher": teacher,
+            "start": student,
+            "distill": runs["distill"]["model_dir"],
+            "sft": runs["sft"]["model_dir"],
+        }.items()
+    }
 
     distill = runs["distill"]
     teacher_accuracy = distill["teacher"]["accuracy"]
     start = distill["student"]["accuracy_before"]
     gap = teacher_accuracy - start
 
-    def summary(result: dict, after: float) -> dict:
+    def summary(result: dict, after: float, measures: dict) -> dict:
         curve = [
             {"cpu_s": c, "step": h["step"], "accuracy": h["accuracy"]}
             for c, h in zip(result["cpu_at_eval"], result["history"])
         ]
         if curve[0]["step"] != 0:  # the SFT recipe does not evaluate its start: the same model
             curve.insert(0, {"cpu_s": 0.0, "step": 0, "accuracy": start})
-        return {
+        row = {
             "accuracy_after": after,
             "gap_closed": round((after - start) / gap, 3) if gap > 0 else None,
             "steps": result["steps"],
@@ -255,21 +290,41 @@ def main() -> None:
             "cpu_over_wall": round(result["cpu_s"] / result["wall_s"], 2),
             "curve": curve,
         }
+        for m in HELDOUT_MEASURES:
+            row[f"{m}_before"] = heldout["start"][m]
+            row[f"{m}_after"] = measures[m]
+            row[f"{m}_change_points"] = round(100 * (measures[m] - heldout["start"][m]), 2)
+        # the separate greedy evaluation reproduces the run's (same problems and seeds)
+        row["eval_matches_recipe"] = measures["accuracy"] == round(after, 4)
+        return row
 
     report = {
         "benchmark": "distill_learning",
         "budget": f"{args.minutes} {args.budget}-minutes per run",
         "task": task,
-        "teacher": {"model": teacher, "parameters": teacher_params, "accuracy": teacher_accuracy},
-        "student": {"model": student, "parameters": student_params, "accuracy_start": start},
+        "teacher": {
+            "model": teacher,
+            "parameters": teacher_params,
+            "accuracy": teacher_accuracy,
+            "heldout": heldout["teacher"],
+        },
+        "student": {
+            "model": student,
+            "parameters": student_params,
+            "accuracy_start": start,
+            "heldout_start": heldout["start"],
+        },
         "parameter_ratio": round(student_params / teacher_params, 3),
         "eval_examples": args.eval_examples,
-        "distill": summary(distill, distill["student"]["accuracy_after"]),
-        "sft": summary(runs["sft"], runs["sft"]["eval"]["accuracy"]),
+        "distill": summary(distill, distill["student"]["accuracy_after"], heldout["distill"]),
+        "sft": summary(runs["sft"], runs["sft"]["eval"]["accuracy"], heldout["sft"]),
+        "heldout_measures": list(HELDOUT_MEASURES),
+        "heldout_sampled": heldout["start"]["sampled"],
+        "heldout_wall_s": round(time.perf_counter() - eval_started, 1),
         "distill_config": configs["distill"],
         "load_average_1_5_15": {"before": load_before, "after": load_after},
         "cpu_count": os.cpu_count(),
-        "wall_s": round(time.perf_counter() - started, 1),
+        "wall_s": round(wall_runs, 1),
     }
     report["report_png"] = str(
         plot(

@@ -9,7 +9,12 @@ and after, overall and per attribute, with the before/after PNG grids of fixed-s
 Also reports the accuracy on the *train* prompts (ODE, fixed evaluation seeds, which the
 rollouts never use) before and after: held-out prompts are unseen shape × colour × position
 combinations, so the two numbers separate learning from compositional transfer.
-Prints one JSON object as the last line of stdout.
+Beside the trained reward (the GenEval verifier) it reports the **diversity** of the
+fixed-seed held-out images before and after (``heldout.diversity``, as in
+``flow_rl_compare.py``: the mean pairwise pixel L2 distance between the images of one
+prompt, averaged over prompts, computed on the recipe's own before / after evaluations): a
+measure the run does not train on, so that a gain that is reward hacking (a collapse to one
+image per prompt) shows as a drop there. Prints one JSON object as the last line of stdout.
 
 RL sharpens what the model can already sample: the SFT checkpoint should be partly right,
 with a pass@k (any of k SDE samples right) well above its ODE accuracy.
@@ -48,6 +53,8 @@ import sys
 import time
 from pathlib import Path
 
+from heldout import diversity_patch
+
 from diffusion_rl.quickstart import QUICKSTART_IMAGE_GRPO
 
 RUN = """
@@ -72,6 +79,10 @@ def step(self, rollout):
     return metrics
 recipe.PolicyLearner.step = step
 """
+# Each evaluation's history record also gets the diversity of its fixed-seed images.
+DIVERSITY_PATCH = diversity_patch("FlowGRPORecipe")
+# The measures the run does not train on (beside the held-out verifier accuracy).
+HELDOUT_MEASURES = ("diversity", "train_prompts")
 
 # The quickstart's image-mode settings (the list above), one definition for both.
 BENCHMARK_SETTINGS = {**QUICKSTART_IMAGE_GRPO, "eval_samples_per_prompt": 16}
@@ -160,8 +171,15 @@ def main() -> None:
     }
     print(f"Flow-GRPO for {args.minutes} CPU-minutes ...", file=sys.stderr)
     grpo = run_recipe(
-        "flow_grpo", "FlowGRPORecipeConfig", "run_flow_grpo", config, args.minutes * 60, GRPO_PATCH
+        "flow_grpo",
+        "FlowGRPORecipeConfig",
+        "run_flow_grpo",
+        config,
+        args.minutes * 60,
+        GRPO_PATCH + DIVERSITY_PATCH,
     )
+    diversity_before = grpo["history"][0]["diversity"]
+    diversity_after = grpo["history"][-1]["diversity"]
     before, after = grpo["attributes_before"], grpo["attributes_after"]
     train_before = accuracy(sft_model, settings)
     train_after = accuracy(grpo["model_dir"], settings)
@@ -191,6 +209,12 @@ def main() -> None:
             100 * (train_after["overall"] - train_before["overall"]), 2
         ),
         "heldout_at_sft_guidance": sft_sampler,
+        "heldout_measures": list(HELDOUT_MEASURES),
+        "diversity_before": round(diversity_before, 3),
+        "diversity_after": round(diversity_after, 3),
+        "diversity_ratio": round(diversity_after / diversity_before, 3)
+        if diversity_before > 0
+        else None,
         "steps": grpo["steps"],
         "cpu_s": grpo["cpu_s"],
         "held_out_images": grpo["eval"]["num_images"],

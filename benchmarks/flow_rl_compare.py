@@ -12,7 +12,8 @@ Beside the trained reward (the GenEval verifier) each run reports measures it ne
 trained on, so a gain that is reward hacking shows as a drop there:
 
 * ``diversity``: the mean pixel distance between the fixed-seed held-out images of one
-  prompt (a collapse to one image per prompt drives it to 0), before and after;
+  prompt (a collapse to one image per prompt drives it to 0), before and after
+  (``heldout.diversity``, shared with ``flow_grpo_learning.py``);
 * ``train_prompts``: accuracy on the train prompts at evaluation seeds the rollouts never
   used.
 
@@ -39,6 +40,7 @@ from flow_grpo_learning import BENCHMARK_SETTINGS as FLOW_GRPO_SETTINGS
 
 from diffusion_rl.config import merge_dicts, parse_overrides
 
+HERE = str(Path(__file__).resolve().parent)  # RUN imports heldout.diversity from here
 # Each method at the settings that learnt fastest here (see benchmarks/README.md); all roll
 # out without guidance and evaluate the same way.
 COMMON = {"eval_samples_per_prompt": 16}
@@ -69,16 +71,8 @@ curve = []
 def training_cpu():
     return time.process_time() - spent["eval"]
 
-def diversity(result, prompts):
-    images = result.images.flatten(1)
-    groups = {}
-    for i, prompt in enumerate(result.prompts):
-        groups.setdefault(prompt, []).append(images[i])
-    distances = []
-    for rows in groups.values():
-        x = torch.stack(rows)
-        distances.append(float(torch.cdist(x, x).sum() / max(1, len(rows) * (len(rows) - 1))))
-    return sum(distances) / len(distances)
+sys.path.insert(0, sys.argv[4])  # the benchmarks directory
+from heldout import diversity
 
 def measure(model, split="eval"):
     start = time.process_time()
@@ -113,7 +107,7 @@ def evaluate(self, tag):
     start = time.process_time()
     out = real_evaluate(self, tag)
     if tag in ("before", "after"):
-        extra[f"diversity_{tag}"] = diversity(self.final, None)
+        extra[f"diversity_{tag}"] = diversity(self.final.images, self.final.prompts)
         extra[f"train_prompts_{tag}"] = measure(self.served, "train").accuracy
     spent["eval"] += time.process_time() - start
     return out
@@ -146,7 +140,7 @@ def run_one(method: str, seed: int, args, settings: dict) -> dict:
     budget, every = args.minutes * 60, args.eval_every_s
     with open(out / "log.txt", "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-c", RUN, json.dumps(config), str(budget), str(every)],
+            [sys.executable, "-c", RUN, json.dumps(config), str(budget), str(every), HERE],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,

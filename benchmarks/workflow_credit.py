@@ -21,7 +21,18 @@ workflow at fixed seeds), its mean attribute score (``score``: the fraction of t
 attributes right, averaged; what the full reward is) and the overall accuracy (all five
 right), plus the first stage's image accuracy. The credit checks: ``color_image`` raises
 colour, ``motion_video`` raises direction / speed, and ``both`` is compared with
-``video_only`` on the score. Prints one JSON object as the last line of stdout.
+``video_only`` on the score.
+
+Beside the trained reward each arm reports, by name (``untrained_measures``), what its
+reward does not contain, so that a gain that is reward hacking shows as a drop there: the
+attributes outside its reward (``untrained_attributes``: all but colour for ``color_image``,
+all but direction and speed for ``motion_video``, none for the full reward), with their mean
+accuracy (``untrained_score``); the first stage's image accuracy (the image verifier on the
+images no reward looks at); and the **clip diversity** (``heldout.diversity`` on the final
+clips: the mean pairwise pixel L2 distance between the fixed-seed held-out clips of one
+prompt, averaged over prompts; a collapse to one clip per prompt drives it to 0), computed on
+the recipe's own before / after evaluations. Prints one JSON object as the last line of
+stdout.
 
     python benchmarks/workflow_credit.py --minutes 20 --credit-minutes 10
 """
@@ -35,8 +46,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from flow_grpo_learning import run_recipe
+from heldout import diversity_patch
 
 from diffusion_rl.quickstart import QUICKSTART_WORKFLOW_RL, QUICKSTART_WORKFLOW_SFT_STEPS
+from diffusion_rl.tasks.motion import MOTION_ATTRIBUTES
 
 # The run stops (through the recipe's normal end) once its CPU budget is spent.
 STAGES_PATCH = """
@@ -48,6 +61,8 @@ def step_stages(self, rollouts):
     return metrics
 recipe.PolicyLearner.step_stages = step_stages
 """
+# Each evaluation's history record also gets the diversity of its final clips.
+DIVERSITY_PATCH = diversity_patch("WorkflowRLRecipe", "clips")
 
 # The quickstart's workflow-RL settings (per stage lr 1e-4, SDE on the first 4 of the 10
 # steps, each group starting from one noise, an EMA of the weights at 0.97) with 4 prompts x 8
@@ -96,16 +111,39 @@ def arm_config(name: str, workflow: str, out: Path, extra: dict) -> dict:
 def run_arm(config: dict, seconds: float) -> dict:
     """One arm in a fresh one-thread process (``flow_grpo_learning.run_recipe``)."""
     return run_recipe(
-        "workflow_rl", "WorkflowRLRecipeConfig", "run_workflow_rl", config, seconds, STAGES_PATCH
+        "workflow_rl",
+        "WorkflowRLRecipeConfig",
+        "run_workflow_rl",
+        config,
+        seconds,
+        STAGES_PATCH + DIVERSITY_PATCH,
     )
 
 
-def summary(result: dict) -> dict:
+def reward_attributes(arm: str | None) -> list[str]:
+    """The attributes arm ``arm``'s reward scores (None: the full reward's, all of them)."""
+    if arm is None:
+        return list(MOTION_ATTRIBUTES)
+    named = set()
+    for reward in ARMS[arm]["rewards"]:
+        named.update(reward.get("options", {}).get("attributes", MOTION_ATTRIBUTES))
+    return [a for a in MOTION_ATTRIBUTES if a in named]
+
+
+def summary(result: dict, arm: str | None = None) -> dict:
     before, after = result["history"][0], result["history"][-1]
+    trained = reward_attributes(arm)
+    untrained = [a for a in MOTION_ATTRIBUTES if a not in trained]
 
     def score(record: dict) -> float:
         return round(record["reward_mean"], 4)
 
+    def untrained_score(record: dict) -> float | None:
+        if not untrained:
+            return None
+        return round(sum(record["attributes"][a] for a in untrained) / len(untrained), 4)
+
+    diversity = {"before": before["diversity"], "after": after["diversity"]}
     return {
         "steps": result["steps"],
         "cpu_s": result["cpu_s"],
@@ -118,6 +156,26 @@ def summary(result: dict) -> dict:
         "attributes_after": {k: round(v, 4) for k, v in after["attributes"].items()},
         "image_accuracy_before": round(before["image_accuracy"], 4),
         "image_accuracy_after": round(after["image_accuracy"], 4),
+        "reward_attributes": trained,
+        "untrained_attributes": untrained,
+        "untrained_measures": [
+            *(f"attributes.{a}" for a in untrained),
+            "image_accuracy",
+            "clip_diversity",
+        ],
+        "untrained_score_before": untrained_score(before),
+        "untrained_score_after": untrained_score(after),
+        "untrained_attribute_gain_points": {
+            a: round(100 * (after["attributes"][a] - before["attributes"][a]), 1) for a in untrained
+        },
+        "image_accuracy_gain_points": round(
+            100 * (after["image_accuracy"] - before["image_accuracy"]), 1
+        ),
+        "clip_diversity_before": round(diversity["before"], 3),
+        "clip_diversity_after": round(diversity["after"], 3),
+        "clip_diversity_ratio": round(diversity["after"] / diversity["before"], 3)
+        if diversity["before"] > 0
+        else None,
         "weights_versions": result["weights_versions"],
         "previews": result["previews"],
     }
@@ -172,7 +230,7 @@ def main() -> None:
     configs = {a: arm_config(a, workflow, out, extra) for a in arms}
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         futures = {a: pool.submit(run_arm, configs[a], budgets[a]) for a in arms}
-        results = {a: summary(f.result()) for a, f in futures.items()}
+        results = {a: summary(f.result(), a) for a, f in futures.items()}
     report = {"workflow": workflow, "budgets_cpu_s": budgets, "settings": SETTINGS,
               "overrides": extra, "arms": results,
               "wall_s": round(time.time() - started, 1)}  # fmt: skip
