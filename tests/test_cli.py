@@ -348,22 +348,22 @@ def test_the_description_is_one_plain_paragraph():
 def test_quickstart_help_describes_both_modes(capsys):
     assert cli.main(["quickstart", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "text: SFT -> GRPO" in text and "image: flow SFT -> Flow-GRPO" in text
+    assert "text: SFT -> GRPO" in text and "image: flow SFT -> AWM" in text
     assert "workflow: SFT of both stages -> workflow RL" not in text  # the summary is the list's
-    assert "OUT/flow_grpo/model" in text and "OUT/grpo/model" in text
+    assert "OUT/rl/model" in text and "OUT/grpo/model" in text
     assert "OUT/workflow_rl/model/workflow.yaml" in text
     image_sft, video_sft = quickstart.QUICKSTART_WORKFLOW_SFT_STEPS
     assert video_sft == cli.flags.QUICKSTART_WORKFLOW_VIDEO_SFT_STEPS
     assert {
         "text": (quickstart.QUICKSTART_SFT_STEPS, quickstart.QUICKSTART_GRPO_STEPS),
-        "image": (quickstart.QUICKSTART_IMAGE_SFT_STEPS, quickstart.QUICKSTART_IMAGE_GRPO_STEPS),
+        "image": (quickstart.QUICKSTART_IMAGE_SFT_STEPS, quickstart.QUICKSTART_IMAGE_RL_STEPS),
         "workflow": (image_sft, quickstart.QUICKSTART_WORKFLOW_RL_STEPS),
     } == cli.QUICKSTART_STEPS
     assert (
         "(default: 3000; image: 3000; workflow: 1000 image and 3000 video SFT steps, --steps "
         "sets both)" in text
     )
-    assert "(default: 100; image: 100; workflow: 40)" in text
+    assert "(default: 100; image: 120; workflow: 40)" in text
 
 
 # ----------------------------------------------------------------------------- version

@@ -352,6 +352,8 @@ def test_forward_process_methods_train_from_served_samples_and_resume_bitwise(
     options = {"steps": 3, "eval_every": 10, "policy": policy, "sampler": {"num_steps": 4}}
     config = grpo_config(tmp_path, model_dir, "straight", **options)
     assert config.sampler.mode == "ode" and config.sampler.guidance_scale == 1.0
+    with pytest.raises(ConfigError, match="sampler.share_group_noise: ODE rollouts of a group"):
+        grpo_config(tmp_path, model_dir, **{**options, "sampler": {"share_group_noise": True}})
     straight = run_flow_grpo(config, **QUIET)
     records = [r for r in read_records(tmp_path / "straight" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -467,43 +469,40 @@ def test_cli_flow_commands_generate_and_errors(tmp_path, sft_run, capsys):
 
 
 def test_quickstart_image_mode(tmp_path, capsys):
+    """SFT of the small DiT, then AWM on unguided ODE rollouts: the table's rows, the
+    summary, and AWM's "before" recomputed as the SFT model served without guidance."""
     sets = []
     for key, value in SFT_TINY.items():
         if key != "steps":
             sets += ["--set", f"sft.{key}={json.dumps(value)}"]
     for key, value in GRPO_TINY.items():
         if key not in ("steps", "eval_every"):
-            sets += ["--set", f"grpo.{key}={json.dumps(value)}"]
-    sets += ["--set", "grpo.sampler.sde_window=[0,2]"]  # the quickstart's [0, 4] needs 5+ steps
+            sets += ["--set", f"rl.{key}={json.dumps(value)}"]
+    sets += ["--set", "rl.policy.timesteps_per_sample=2"]  # AWM's 6 need 7+ sampler steps
     out = tmp_path / "qs"
-    argv = [
-        "quickstart",
-        "--mode",
-        "image",
-        "--output-dir",
-        str(out),
-        "--steps",
-        "2",
-        "--rl-steps",
-        "1",
-    ]
-    assert cli.main(argv + sets) == 0
+    argv = ["quickstart", "--mode", "image", "--output-dir", str(out), "--steps", "2"]
+    assert cli.main([*argv, "--rl-steps", "1", *sets]) == 0
     printed = capsys.readouterr().out
-    for row in ("SFT, guidance 4", "before Flow-GRPO, guidance 1", "after Flow-GRPO, guidance 1"):
+    for row in ("SFT, guidance 4", "before AWM, guidance 1", "after AWM, guidance 1"):
         assert f"  {row} " in printed
     summary = json.loads((out / "results.json").read_text())
-    assert summary["sft"]["steps"] == 2 and summary["flow_grpo"]["steps"] == 1
+    assert summary["sft"]["steps"] == 2 and summary["rl"]["steps"] == 1
+    assert summary["rl"]["algorithm"] == "awm"
     sft_results = json.loads((out / "flow_sft" / "results.json").read_text())
     assert summary["sft"]["attributes"] == sft_results["eval"]["attributes"]
-    # Flow-GRPO's "before" is the SFT model sampled without guidance (the quickstart's rollout
-    # sampler), recomputed here with the serving loop.
-    grpo = json.loads((out / "flow_grpo" / "results.json").read_text())
-    assert grpo["steps"] == 1 and summary["flow_grpo"]["guidance_scale"] == 1.0
+    saved = load_model(out / "flow_sft" / "model")
+    assert saved.model.config.d_model == 32  # SFT_TINY's, over the quickstart's small DiT
+    # AWM's "before" is the SFT model sampled without guidance (the rollout sampler, ODE),
+    # recomputed here with the serving loop.
+    rl = json.loads((out / "rl" / "results.json").read_text())
+    assert rl["steps"] == 1 and summary["rl"]["guidance_scale"] == 1.0
     unguided = evaluate_images(
-        load_model(out / "flow_sft" / "model").model,
+        saved.model,
         GenEvalTask(),
         FlowSamplerConfig(num_steps=4, guidance_scale=1.0),
         samples_per_prompt=1,
     )
-    assert summary["flow_grpo"]["accuracy_before"] == unguided.accuracy
+    assert summary["rl"]["accuracy_before"] == unguided.accuracy
     assert Path(summary["grids"]["after"]).read_bytes()[:8] == PNG
+    assert cli.main([*argv, "--set", "grpo.steps=1"]) == 2  # image mode's stages: sft., rl.
+    assert "keys must start with sft. or rl., got ['grpo']" in capsys.readouterr().err

@@ -9,12 +9,13 @@ then a before/after table, sample completions, ``OUT/results.json`` and the curv
 ``--set sft.KEY=VALUE`` / ``--set grpo.KEY=VALUE`` override either stage's config.
 
 Image mode (:func:`run_quickstart_image`, ``diffusion-rl quickstart --mode image``): the same
-two stages for the built-in flow DiT on mini-GenEval — rectified-flow SFT (``OUT/flow_sft``,
-the recipe's defaults), then Flow-GRPO from that checkpoint (``OUT/flow_grpo``) with the
-settings that learnt fastest on CPU (``QUICKSTART_IMAGE_GRPO``: unguided rollouts, so before
-and after are measured without guidance) — with a table per attribute (the SFT model with its
-own guidance, then before and after Flow-GRPO) and PNG grids of fixed-seed held-out samples
-before and after RL.
+two stages for a small built-in flow DiT on mini-GenEval — rectified-flow SFT
+(``OUT/flow_sft``), then flow RL from that checkpoint (``OUT/rl``) with the method and settings
+that learnt fastest on CPU (``QUICKSTART_IMAGE_RL``: AWM, a forward-process method, on
+rollouts of the serving ODE sampler without guidance, so before and after are measured
+without guidance) — with a table per attribute (the SFT model with its own guidance, then
+before and after RL) and PNG grids of fixed-seed held-out samples before and after RL.
+``--set sft.KEY=VALUE`` / ``--set rl.KEY=VALUE`` override either stage's config.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .config import (
     parse_overrides,
 )
 from .evaluation import format_samples
-from .recipes.flow_grpo import run_flow_grpo
+from .recipes.flow_grpo import METHOD_NAMES, run_flow_grpo
 from .recipes.flow_sft import run_flow_sft
 from .recipes.grpo import run_grpo
 from .recipes.sft import run_sft
@@ -47,11 +48,12 @@ def _stage_config(cls, defaults: dict, overrides: dict, name: str):
     return build_config(cls, merge_dicts(defaults, overrides.get(name, {})), f"quickstart {name}")
 
 
-def _stage_overrides(overrides: list[str] | None) -> dict:
+def _stage_overrides(overrides: list[str] | None, stages=("sft", "grpo")) -> dict:
     extra = parse_overrides(overrides)
-    unknown = sorted(set(extra) - {"sft", "grpo"})
+    unknown = sorted(set(extra) - set(stages))
     if unknown:
-        raise ValueError(f"quickstart --set: keys must start with sft. or grpo., got {unknown}")
+        allowed = " or ".join(f"{stage}." for stage in stages)
+        raise ValueError(f"quickstart --set: keys must start with {allowed}, got {unknown}")
     return extra
 
 
@@ -133,16 +135,20 @@ def run_quickstart(
     return summary
 
 
-QUICKSTART_IMAGE_SFT_STEPS = 3000  # the flow-sft default: 1500-2000 steps often miss position
-QUICKSTART_IMAGE_GRPO_STEPS = 100
-# benchmarks/flow_grpo_learning.py's settings: rollouts without guidance (half the cost of a
-# guided forward), 8 prompts x 16, a group's shared start noise, SDE (and training) on the
-# first 4 of the 10 steps, an EMA of the weights evaluated and saved.
-QUICKSTART_IMAGE_GRPO = {
+# The image quickstart: a small built-in DiT (d_model 64, 3 layers: 254 k parameters; 3000
+# steps cost about 3 CPU-minutes and end at ~18 % held-out with guidance 4, ~13 % without,
+# far below what the model samples at best), then AWM, the fastest-learning flow RL method in
+# benchmarks/flow_rl_compare.py, on rollouts of the serving ODE sampler without guidance
+# (8 prompts x 16 images per step, lr 3e-4, no EMA: over ~120 steps an average lags too far).
+QUICKSTART_IMAGE_SFT_STEPS = 3000
+QUICKSTART_IMAGE_MODEL = {"d_model": 64, "n_layers": 3, "n_heads": 4}
+QUICKSTART_IMAGE_RL_STEPS = 120
+QUICKSTART_IMAGE_RL = {
+    "policy": {"algorithm": "awm"},
     "prompts_per_step": 8,
     "group_size": 16,
-    "sampler": {"guidance_scale": 1.0, "share_group_noise": True, "sde_window": [0, 4]},
-    "ema_decay": 0.99,
+    "sampler": {"guidance_scale": 1.0, "mode": "ode"},
+    "optim": {"lr": 3e-4},
 }
 
 
@@ -153,61 +159,59 @@ def run_quickstart_image(
     overrides: list[str] | None = None,
     threads: int | None = None,
 ) -> dict:
-    """Flow SFT then Flow-GRPO on mini-GenEval; ``--set sft.K=V`` / ``grpo.K=V`` as above."""
+    """Flow SFT then flow RL on mini-GenEval; ``--set sft.K=V`` / ``rl.K=V`` as above."""
     out = Path(output_dir)
-    extra = _stage_overrides(overrides)
+    extra = _stage_overrides(overrides, ("sft", "rl"))
     sft_config = _stage_config(
         FlowSFTRecipeConfig,
         {
             "output_dir": str(out / "flow_sft"),
             "steps": steps or QUICKSTART_IMAGE_SFT_STEPS,
             "threads": threads,
+            "model": QUICKSTART_IMAGE_MODEL,
         },
         extra,
         "sft",
     )
-    grpo_config = _stage_config(
+    rl_config = _stage_config(
         FlowGRPORecipeConfig,
         {
-            **QUICKSTART_IMAGE_GRPO,
-            "output_dir": str(out / "flow_grpo"),
+            **QUICKSTART_IMAGE_RL,
+            "output_dir": str(out / "rl"),
             "threads": threads,
-            "steps": rl_steps or QUICKSTART_IMAGE_GRPO_STEPS,
+            "steps": rl_steps or QUICKSTART_IMAGE_RL_STEPS,
             "model": {"path": str(out / "flow_sft" / "model")},
             "eval_samples_per_prompt": sft_config.eval_samples_per_prompt,
-            "eval_every": rl_steps or QUICKSTART_IMAGE_GRPO_STEPS,
+            "eval_every": rl_steps or QUICKSTART_IMAGE_RL_STEPS,
         },
         extra,
-        "grpo",
+        "rl",
     )
+    method = METHOD_NAMES[rl_config.policy.algorithm]
     print(f"diffusion-rl quickstart (image) → {out}")
     print(f"[1/2] rectified-flow SFT of the built-in DiT, {sft_config.steps} steps")
     sft = run_flow_sft(sft_config)
     print(f"      held-out accuracy {sft['eval']['accuracy']:.1%}")
-    guidance = grpo_config.sampler.guidance_scale
+    guidance = rl_config.sampler.guidance_scale
     print(
-        f"[2/2] Flow-GRPO with exact SDE-step replay, {grpo_config.steps} steps "
+        f"[2/2] {method} on {rl_config.sampler.mode.upper()} rollouts, {rl_config.steps} steps "
         f"(rollouts and evaluation with guidance {guidance:g})"
     )
-    grpo = run_flow_grpo(grpo_config)
+    rl = run_flow_grpo(rl_config)
 
-    before, after = grpo["attributes_before"], grpo["attributes_after"]
+    before, after = rl["attributes_before"], rl["attributes_after"]
     names = [k for k in ("color", "shape", "position", "count", "overall") if k in after]
     rows = [
         (f"SFT, guidance {sft_config.sampler.guidance_scale:g}", sft["eval"]["attributes"]),
-        (f"before Flow-GRPO, guidance {guidance:g}", before),
-        (f"after Flow-GRPO, guidance {guidance:g}", after),
+        (f"before {method}, guidance {guidance:g}", before),
+        (f"after {method}, guidance {guidance:g}", after),
     ]
     print("\n  held-out accuracy" + " " * 17 + "".join(f"{n:>10}" for n in names))
     for label, values in rows:
         print(f"  {label:<33}" + "".join(f"{values[n]:>10.1%}" for n in names))
-    print(
-        "  (more RL steps keep helping: benchmarks/flow_grpo_learning.py, 15 CPU-minutes, "
-        "takes the unguided model past the guided SFT model)"
-    )
     grids = {
-        "before": str(out / "flow_grpo" / "samples" / "before.png"),
-        "after": str(out / "flow_grpo" / "samples" / "after.png"),
+        "before": str(out / "rl" / "samples" / "before.png"),
+        "after": str(out / "rl" / "samples" / "after.png"),
     }
     summary = {
         "sft": {
@@ -217,22 +221,23 @@ def run_quickstart_image(
             "elapsed_s": sft["elapsed_s"],
             "steps": sft["steps"],
         },
-        "flow_grpo": {
+        "rl": {
+            "algorithm": rl_config.policy.algorithm,
             "guidance_scale": guidance,
-            "accuracy_before": grpo["accuracy_before"],
-            "accuracy_after": grpo["accuracy_after"],
+            "accuracy_before": rl["accuracy_before"],
+            "accuracy_after": rl["accuracy_after"],
             "attributes_before": before,
             "attributes_after": after,
-            "elapsed_s": grpo["elapsed_s"],
-            "steps": grpo["steps"],
+            "elapsed_s": rl["elapsed_s"],
+            "steps": rl["steps"],
         },
         "grids": grids,
-        "model_dir": grpo["model_dir"],
+        "model_dir": rl["model_dir"],
     }
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nresults: {out / 'results.json'}; samples: {grids['before']}, {grids['after']}")
     print(
-        f"model:   {grpo['model_dir']}  — try: diffusion-rl generate --model {grpo['model_dir']} "
+        f"model:   {rl['model_dir']}  — try: diffusion-rl generate --model {rl['model_dir']} "
         '--prompt "a red circle on the left" --samples 4'
     )
     return summary

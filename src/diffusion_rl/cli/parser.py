@@ -152,12 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "quickstart",
         "SFT then RL on a built-in task, on CPU, in minutes (text: SFT -> GRPO; image: "
-        "flow SFT -> Flow-GRPO; workflow: SFT of both stages -> workflow RL)",
+        "flow SFT -> AWM; workflow: SFT of both stages -> workflow RL)",
         "The out-of-the-box run on a built-in task. --mode text (default): "
         "masked-diffusion SFT of the built-in transformer on 2-digit addition, then GRPO with "
         "exact trace replay; writes OUT/sft and OUT/grpo (model: OUT/grpo/model). --mode "
-        "image: rectified-flow SFT of the built-in DiT on mini-GenEval, then Flow-GRPO; "
-        "writes OUT/flow_sft and OUT/flow_grpo (model: OUT/flow_grpo/model). --mode "
+        "image: rectified-flow SFT of a small built-in DiT on mini-GenEval, then AWM (a "
+        "forward-process flow RL method) on the serving sampler's samples; writes "
+        "OUT/flow_sft and OUT/rl (model: OUT/rl/model). --mode "
         "workflow: SFT of the image stage (mini-GenEval) and of the image-to-video stage "
         "(mini-motion clips), OUT/workflow.yaml chaining them, then workflow RL of both "
         "stages from the final video reward; writes OUT/image_sft, OUT/video_sft and "
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         choices=["text", "image", "workflow"],
         default="text",
-        help="text: SFT -> GRPO on 2-digit addition; image: flow SFT -> Flow-GRPO on "
+        help="text: SFT -> GRPO on 2-digit addition; image: flow SFT -> AWM on "
         "mini-GenEval; workflow: image SFT and video SFT -> workflow RL of text -> image -> "
         "video from the final video reward",
     )
@@ -191,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rl-steps",
         type=_integer(1, MAX_STEPS),
         default=None,
-        help=f"GRPO (text), Flow-GRPO (image) or workflow-RL (workflow) steps of the RL stage "
+        help=f"GRPO (text), AWM (image) or workflow-RL (workflow) steps of the RL stage "
         f"(default: {QUICKSTART_STEPS['text'][1]}; image: {QUICKSTART_STEPS['image'][1]}; "
         f"workflow: {QUICKSTART_STEPS['workflow'][1]})",
     )
@@ -269,8 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--model",
-        help="a model directory (e.g. runs/quickstart/grpo/model, "
-        "runs/quickstart_image/flow_grpo/model)",
+        help="a model directory (e.g. runs/quickstart/grpo/model, runs/quickstart_image/rl/model)",
     )
     source.add_argument(
         "--workflow",

@@ -65,7 +65,7 @@ MODEL_SOURCES = {
     "flow": (
         "`diffusion-rl flow-sft --config configs/flow_sft_geneval.yaml` writes "
         "runs/flow_sft/model (3000 steps); `diffusion-rl quickstart --mode image` writes "
-        "runs/quickstart_image/flow_sft/model and runs/quickstart_image/flow_grpo/model"
+        "runs/quickstart_image/flow_sft/model and runs/quickstart_image/rl/model"
     ),
 }
 RECIPE_KIND = {"sft": "token", "grpo": "token", "distill": "token", "flow-sft": "flow"}

@@ -426,6 +426,11 @@ class FlowGRPORecipeConfig(RunConfig):
                 "trained); set mode: sde, or a forward-process policy.algorithm (nft, awm, "
                 "dgpo), which trains on the samples of any sampler"
             )
+        if self.sampler.mode == "ode" and self.sampler.share_group_noise:
+            raise ValueError(
+                "sampler.share_group_noise: ODE rollouts of a group from one start noise are "
+                "one image repeated (every advantage 0); set share_group_noise: false"
+            )
         if not self.rewards:
             raise ValueError("rewards: expected at least one reward term")
         names = [r.name for r in self.rewards]

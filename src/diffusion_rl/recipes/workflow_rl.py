@@ -336,13 +336,19 @@ def _rollout_sampler(stage, settings, policy) -> FlowSamplerConfig:
             "out (it is sde), or train the stage with a forward-process policy.algorithm"
         )
     try:
-        return FlowSamplerConfig.model_validate(
+        sampler = FlowSamplerConfig.model_validate(
             {**stage.sampler.model_dump(), **({"mode": "sde"} if sde else {}), **overrides}
         )
     except ValidationError as error:
         item = error.errors()[0]
         key = ".".join(map(str, item["loc"])) or "sampler"
         raise ConfigError(f"stages.{stage.name}.sampler.{key}: {item['msg']}") from None
+    if sampler.mode == "ode" and sampler.share_group_noise:
+        raise ConfigError(
+            f"stages.{stage.name}.sampler.share_group_noise: ODE rollouts of a group from one "
+            "start noise are one artefact repeated (every advantage 0); set it false"
+        )
+    return sampler
 
 
 def run_workflow_rl(
