@@ -10,7 +10,7 @@ Also reports the accuracy on the *train* prompts (ODE, fixed evaluation seeds, w
 rollouts never use) before and after: held-out prompts are unseen shape × colour × position
 combinations, so the two numbers separate learning from compositional transfer.
 Beside the trained reward (the GenEval verifier) it reports the **diversity** of the
-fixed-seed held-out images before and after (``heldout.diversity``, as in
+fixed-seed held-out images before and after (``diffusion_rl.evaluation.diversity``, as in
 ``flow_rl_compare.py``: the mean pairwise pixel L2 distance between the images of one
 prompt, averaged over prompts, computed on the recipe's own before / after evaluations): a
 measure the run does not train on, so that a gain that is reward hacking (a collapse to one
@@ -53,8 +53,6 @@ import sys
 import time
 from pathlib import Path
 
-from heldout import diversity_patch
-
 RUN = """
 import json, sys, time, torch
 torch.set_num_threads(1)
@@ -77,8 +75,6 @@ def step(self, rollout):
     return metrics
 recipe.PolicyLearner.step = step
 """
-# Each evaluation's history record also gets the diversity of its fixed-seed images.
-DIVERSITY_PATCH = diversity_patch("FlowGRPORecipe")
 # The measures the run does not train on (beside the held-out verifier accuracy).
 HELDOUT_MEASURES = ("diversity", "train_prompts")
 
@@ -181,7 +177,7 @@ def main() -> None:
         "run_flow_grpo",
         config,
         args.minutes * 60,
-        GRPO_PATCH + DIVERSITY_PATCH,
+        GRPO_PATCH,
     )
     diversity_before = grpo["history"][0]["diversity"]
     diversity_after = grpo["history"][-1]["diversity"]

@@ -13,7 +13,7 @@ trained on, so a gain that is reward hacking shows as a drop there:
 
 * ``diversity``: the mean pixel distance between the fixed-seed held-out images of one
   prompt (a collapse to one image per prompt drives it to 0), before and after
-  (``heldout.diversity``, shared with ``flow_grpo_learning.py``);
+  (``diffusion_rl.evaluation.diversity``, in every flow evaluation record);
 * ``train_prompts``: accuracy on the train prompts at evaluation seeds the rollouts never
   used.
 
@@ -40,7 +40,6 @@ from flow_grpo_learning import BENCHMARK_SETTINGS as FLOW_GRPO_SETTINGS
 
 from diffusion_rl.config import merge_dicts, parse_overrides
 
-HERE = str(Path(__file__).resolve().parent)  # RUN imports heldout.diversity from here
 # Each method at the settings that learnt fastest here (see benchmarks/README.md); all roll
 # out without guidance and evaluate the same way.
 COMMON = {"eval_samples_per_prompt": 16}
@@ -76,9 +75,6 @@ curve = []
 def training_cpu():
     return time.process_time() - spent["eval"]
 
-sys.path.insert(0, sys.argv[4])  # the benchmarks directory
-from heldout import diversity
-
 def measure(model, split="eval"):
     start = time.process_time()
     result = evaluate_images(model, self_task[0], config.sampler,
@@ -112,7 +108,7 @@ def evaluate(self, tag):
     start = time.process_time()
     out = real_evaluate(self, tag)
     if tag in ("before", "after"):
-        extra[f"diversity_{tag}"] = diversity(self.final.images, self.final.prompts)
+        extra[f"diversity_{tag}"] = self.final.diversity
         extra[f"train_prompts_{tag}"] = measure(self.served, "train").accuracy
     spent["eval"] += time.process_time() - start
     return out
@@ -145,7 +141,7 @@ def run_one(method: str, seed: int, args, settings: dict) -> dict:
     budget, every = args.minutes * 60, args.eval_every_s
     with open(out / "log.txt", "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-c", RUN, json.dumps(config), str(budget), str(every), HERE],
+            [sys.executable, "-c", RUN, json.dumps(config), str(budget), str(every)],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,

@@ -3,10 +3,10 @@
 Each is something the run does not train on, so that a gain that is reward hacking shows as
 a drop there:
 
-* :func:`diversity`: the mean pairwise pixel L2 distance between the samples (images, or
+* ``diversity``: the mean pairwise pixel L2 distance between the samples (images, or
   clips) of one prompt, averaged over prompts (a collapse to one sample per prompt drives it
-  to 0). :func:`diversity_patch` adds it to the history record of each evaluation of a
-  flow recipe run through ``flow_grpo_learning.run_recipe``.
+  to 0): the library's ``diffusion_rl.evaluation.diversity``, in every flow recipe's
+  evaluation record (``history[i]["diversity"]``).
 * :func:`token_metrics`: for a token denoiser on a text task with an integer answer
   (arithmetic), the fraction of well-formed greedy completions (:func:`well_formed`), the
   partial-credit ``digits`` score and the verifier's accuracy when sampling at a temperature
@@ -18,46 +18,10 @@ This module imports only torch at import time (a recipe process can import it ch
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import torch
 
 _NUMBER = re.compile(r"-?[0-9]+")
-
-
-def diversity(samples: torch.Tensor, prompts: list[str]) -> float:
-    """Mean pairwise pixel L2 distance between the rows of ``samples`` (``[N, ...]``, e.g.
-    images ``[N, 3, H, W]`` or clips ``[N, F, 3, H, W]``) that share a prompt
-    (``prompts[i]`` is row ``i``'s), averaged over the prompts; a prompt with one row counts
-    as 0."""
-    rows = samples.flatten(1).float()
-    groups: dict[str, list[torch.Tensor]] = {}
-    for i, prompt in enumerate(prompts):
-        groups.setdefault(prompt, []).append(rows[i])
-    distances = []
-    for group in groups.values():
-        x = torch.stack(group)
-        distances.append(float(torch.cdist(x, x).sum() / max(1, len(group) * (len(group) - 1))))
-    return sum(distances) / len(distances)
-
-
-def diversity_patch(recipe_class: str, samples: str = "images") -> str:
-    """Source for a recipe process (``flow_grpo_learning.RUN``'s ``{patch}``): after each
-    evaluation of ``recipe.<recipe_class>``, its history record gets ``diversity``, the
-    :func:`diversity` of the evaluation's fixed-seed samples (``self.final.<samples>``:
-    ``images``, or ``clips`` for a workflow). Computed on what the evaluation sampled
-    anyway: nothing is sampled again."""
-    here = str(Path(__file__).resolve().parent)
-    return f"""
-sys.path.insert(0, {here!r})
-from heldout import diversity as _diversity
-_real_evaluate = recipe.{recipe_class}.evaluate
-def _evaluate(self, tag):
-    record, metrics = _real_evaluate(self, tag)
-    record["diversity"] = _diversity(self.final.{samples}, self.final.prompts)
-    return record, metrics
-recipe.{recipe_class}.evaluate = _evaluate
-"""
 
 
 def well_formed(row: list[int], tokenizer) -> bool:

@@ -28,7 +28,7 @@ reward does not contain, so that a gain that is reward hacking shows as a drop t
 attributes outside its reward (``untrained_attributes``: all but colour for ``color_image``,
 all but direction and speed for ``motion_video``, none for the full reward), with their mean
 accuracy (``untrained_score``); the first stage's image accuracy (the image verifier on the
-images no reward looks at); and the **clip diversity** (``heldout.diversity`` on the final
+images no reward looks at); and the **clip diversity** (``diffusion_rl.evaluation.diversity`` on the final
 clips: the mean pairwise pixel L2 distance between the fixed-seed held-out clips of one
 prompt, averaged over prompts; a collapse to one clip per prompt drives it to 0), computed on
 the recipe's own before / after evaluations. Prints one JSON object as the last line of
@@ -46,7 +46,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from flow_grpo_learning import run_recipe
-from heldout import diversity_patch
 
 from diffusion_rl.quickstart import QUICKSTART_WORKFLOW_RL, QUICKSTART_WORKFLOW_SFT_STEPS
 from diffusion_rl.tasks.motion import MOTION_ATTRIBUTES
@@ -61,8 +60,6 @@ def step_stages(self, rollouts):
     return metrics
 recipe.PolicyLearner.step_stages = step_stages
 """
-# Each evaluation's history record also gets the diversity of its final clips.
-DIVERSITY_PATCH = diversity_patch("WorkflowRLRecipe", "clips")
 
 # The quickstart's workflow-RL settings (per stage lr 1e-4, SDE on the first 4 of the 10
 # steps, each group starting from one noise, an EMA of the weights at 0.97) with 4 prompts x 8
@@ -116,7 +113,7 @@ def run_arm(config: dict, seconds: float) -> dict:
         "run_workflow_rl",
         config,
         seconds,
-        STAGES_PATCH + DIVERSITY_PATCH,
+        STAGES_PATCH,
     )
 
 

@@ -229,6 +229,7 @@ BAD_FLAGS = [
     (["quickstart", "--threads", "0"], "--threads: must be >= 1 (got 0)"),
     (["quickstart", "--threads", "5000"], "--threads: must be <= 1024 (got 5000)"),
     (["quickstart", "--mode", "video"], "--mode: invalid choice: 'video'"),
+    (["quickstart", "--seed", "-1"], "--seed: must be >= 0 (got -1)"),
     (["quickstart", "--output-dir", ""], "--output-dir: must not be empty"),
     (["quickstart", "--set", "steps"], "--set: expected KEY=VALUE (e.g. steps=100), got 'steps'"),
     # recipe commands
@@ -360,10 +361,11 @@ def test_quickstart_help_describes_both_modes(capsys):
         "workflow": (image_sft, quickstart.QUICKSTART_WORKFLOW_RL_STEPS),
     } == cli.QUICKSTART_STEPS
     assert (
-        "(default: 3000; image: 3000; workflow: 1000 image and 3000 video SFT steps, --steps "
-        "sets both)" in text
+        "(default: at most 400, stopped at 15 % held-out accuracy; image: 3000; workflow: 1000 "
+        "image and 3000 video SFT steps, --steps sets both)" in text
     )
-    assert "(default: 100; image: 120; workflow: 40)" in text
+    assert "(default: 80; image: 120; workflow: 40)" in text
+    assert "seed of every stage" in text
 
 
 # ----------------------------------------------------------------------------- version

@@ -20,7 +20,7 @@ from diffusion_rl.config import (
     build_config,
     load_config,
 )
-from diffusion_rl.evaluation import evaluate_images
+from diffusion_rl.evaluation import diversity, evaluate_images
 from diffusion_rl.models import load_model
 from diffusion_rl.models.dit import FlowDiT
 from diffusion_rl.recipes.flow_grpo import run_flow_grpo
@@ -506,3 +506,13 @@ def test_quickstart_image_mode(tmp_path, capsys):
     assert Path(summary["grids"]["after"]).read_bytes()[:8] == PNG
     assert cli.main([*argv, "--set", "grpo.steps=1"]) == 2  # image mode's stages: sft., rl.
     assert "keys must start with sft. or rl., got ['grpo']" in capsys.readouterr().err
+
+
+def test_diversity_is_the_mean_same_prompt_pixel_distance():
+    """Pairwise L2 distances within each prompt's rows, averaged per prompt then over
+    prompts; a lone row counts 0 (hand-computed: 3-4-5 triangles)."""
+    rows = torch.tensor([[0.0, 0.0], [3.0, 4.0], [0.0, 8.0], [1.0, 1.0]]).view(4, 2, 1, 1)
+    # prompt a: d(0,1)=5, d(0,2)=8, d(1,2)=5 -> mean 6; prompt b: one row -> 0
+    assert diversity(rows, ["a", "a", "a", "b"]) == pytest.approx(3.0)
+    assert diversity(rows[:2], ["a", "a"]) == pytest.approx(5.0)
+    assert diversity(rows[:2].repeat(1, 1, 1, 1)[[0, 0]], ["a", "a"]) == 0.0  # a collapse

@@ -282,21 +282,37 @@ def test_grpo_recipe_kill_and_resume_is_exact(tmp_path, monkeypatch):
         run_grpo(config("killed", policy={"clip_low": 0.1}, steps=6), echo=lambda _: None)
 
 
-def test_quickstart_runs_sft_then_grpo(tmp_path, capsys):
+def test_quickstart_runs_sft_then_grpo(tmp_path, capsys, monkeypatch):
+    from diffusion_rl import quickstart
     from diffusion_rl.quickstart import run_quickstart
 
-    overrides = [f"sft.{k}={json.dumps(v)}" for k, v in TINY.items() if k != "steps"]
+    seeds = []  # the seed each stage ran with: --seed reaches both
+
+    def spy(run):
+        return lambda config: seeds.append(config.seed) or run(config)
+
+    monkeypatch.setattr(quickstart, "run_sft", spy(quickstart.run_sft))
+    monkeypatch.setattr(quickstart, "run_grpo", spy(quickstart.run_grpo))
+
+    tiny = {k: v for k, v in TINY.items() if k not in ("steps", "task", "eval_every")}
+    overrides = [f"sft.{k}={json.dumps(v)}" for k, v in tiny.items()]
     overrides += [
         "grpo.prompts_per_step=2",
         "grpo.group_size=4",
         "grpo.eval_examples=8",
     ]
-    summary = run_quickstart(str(tmp_path / "qs"), steps=4, rl_steps=2, overrides=overrides)
+    summary = run_quickstart(str(tmp_path / "qs"), steps=4, rl_steps=2, overrides=overrides, seed=3)
+    assert seeds == [3, 3]
     out = capsys.readouterr().out
+    assert "SFT on sudoku, up to 4 steps, stopping at 15% held-out accuracy" in out
     assert "after SFT" in out and "after GRPO" in out
     saved = json.loads((tmp_path / "qs" / "results.json").read_text())
     assert saved == summary and saved["grpo"]["steps"] == 2
     assert saved["grpo"]["accuracy_before"] == saved["sft"]["accuracy"]  # same eval, same model
+    sft = json.loads((tmp_path / "qs" / "sft" / "results.json").read_text())
+    assert sft["steps"] == 4 and sft["stopped_at_accuracy"] is None  # 4 steps learn no Sudoku
+    grpo = json.loads((tmp_path / "qs" / "grpo" / "results.json").read_text())
+    assert [h["step"] for h in grpo["history"]] == [0, 1, 2]  # before, the midpoint, after
     with pytest.raises(ValueError, match="keys must start with sft. or grpo."):
         run_quickstart(str(tmp_path / "x"), overrides=["steps=3"])
 
@@ -455,3 +471,43 @@ def test_learner_metrics_are_logged_once_under_one_name():
     }
     single = {"loss@iter0": 0.5, "loss": 0.5, "odd@iter0": 1.0}  # no plain "odd": kept
     assert _one_name_per_value(single, 1) == {"loss": 0.5, "odd@iter0": 1.0}
+
+
+def test_sft_stops_at_the_first_evaluation_reaching_stop_at_accuracy(tmp_path, monkeypatch):
+    """With ``stop_at_accuracy`` the run ends (checkpointed, model written) at the first
+    evaluation reaching it, with the weights of a plain run of that many steps; a rerun with
+    the same target is finished, one with a higher target trains on to its own stop."""
+    from diffusion_rl.recipes.sft import SFTRecipe
+
+    scripted = {3: 0.1, 6: 0.5, 9: 0.9, 12: 0.95}  # held-out accuracy by step
+    evaluate = SFTRecipe.evaluate
+
+    def scripted_evaluate(self, tag):
+        record, metrics = evaluate(self, tag)
+        record["accuracy"] = scripted[record["step"]]
+        return record, metrics
+
+    monkeypatch.setattr(SFTRecipe, "evaluate", scripted_evaluate)
+    schedule = {"optim": {"total_steps": 12}}
+    quiet = {"echo": lambda _: None}
+    stopped = run_sft(tiny_config(tmp_path, "stop", steps=12, stop_at_accuracy=0.5, **schedule))
+    assert stopped["steps"] == 6 and stopped["stopped_at_accuracy"] == 0.5
+    assert [h["step"] for h in stopped["history"]] == [3, 6]  # no second evaluation at 6
+    plain = run_sft(tiny_config(tmp_path, "plain", steps=6, **schedule), **quiet)
+    assert plain["stopped_at_accuracy"] is None
+    a = load_model(tmp_path / "stop" / "model").model.state_dict()
+    b = load_model(tmp_path / "plain" / "model").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    messages = []
+    again = run_sft(
+        tiny_config(tmp_path, "stop", steps=12, stop_at_accuracy=0.5, **schedule),
+        echo=messages.append,
+    )
+    assert again == stopped and any("already finished" in m for m in messages)
+    higher = run_sft(
+        tiny_config(tmp_path, "stop", steps=12, stop_at_accuracy=0.9, **schedule), **quiet
+    )
+    assert higher["steps"] == 9 and [h["step"] for h in higher["history"]] == [3, 6, 9]
+    with pytest.raises(ValueError, match="stop_at_accuracy"):
+        tiny_config(tmp_path, "bad", stop_at_accuracy=1.5)

@@ -244,6 +244,29 @@ def test_sudoku_9x9_and_its_verifier():
     assert cells == pytest.approx(29 / 30)  # the reward's denser mode still works on the example
 
 
+def test_sudoku_credit_is_the_fraction_of_blanks_filled_right():
+    """The held-out partial credit beside the exact reward: blanks right / blanks, givens not
+    counted, 0 for text that is not a grid (a hand count over wrong cells)."""
+    task = SudokuTask(SudokuConfig(num_blanks=10))
+    assert task.credit_name == "blank cells"
+    ex = task.example(3, "eval")
+    blanks = [i for i, ch in enumerate(ex.puzzle) if ch == "."]
+    assert len(blanks) == 10
+    for wrong in range(4):
+        cells = list(ex.answer)
+        for i in blanks[:wrong]:
+            cells[i] = str(int(cells[i]) % 4 + 1)
+        text = "".join(cells)
+        assert task.credit(text, ex) == pytest.approx((10 - wrong) / 10)
+        assert task.reward(text, ex) == float(wrong == 0)
+    given = next(i for i, ch in enumerate(ex.puzzle) if ch != ".")
+    broken_given = ex.answer[:given] + str(int(ex.answer[given]) % 4 + 1) + ex.answer[given + 1 :]
+    assert task.credit(broken_given, ex) == 1.0 and task.reward(broken_given, ex) == 0.0
+    assert task.credit("12", ex) == 0.0
+    with pytest.raises(NotImplementedError, match="arithmetic task has no partial credit"):
+        get_task("arithmetic").credit("12", None)
+
+
 def test_sudoku_config_is_checked():
     with pytest.raises(pydantic.ValidationError, match="size"):
         SudokuConfig(size=5)

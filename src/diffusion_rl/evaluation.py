@@ -5,7 +5,8 @@ model on mini-GenEval, with the ODE sampler at fixed seeds. :func:`evaluate_vide
 image-to-video model on mini-motion from rendered first frames. :func:`evaluate_rewards`: a
 flow model on a prompt list without a verifier, scored by reward models.
 :func:`evaluate_workflow`: a multi-stage workflow's final videos on its task (and its first
-stage's images).
+stage's images). :func:`diversity`: how different the samples of one prompt are, a held-out
+measure beside the reward (a collapse to one sample per prompt drives it to 0).
 """
 
 from __future__ import annotations
@@ -21,6 +22,22 @@ from .sampling.flow import FlowSamplerConfig, sample_flow
 from .sampling.token import TokenSamplerConfig, sample_tokens
 from .tasks import ArithmeticTask
 from .tasks.geneval import GenEvalTask, attribute_accuracy
+
+
+def diversity(samples: torch.Tensor, prompts: list[str]) -> float:
+    """Mean pairwise pixel L2 distance between the rows of ``samples`` (``[N, ...]``, e.g.
+    images ``[N, 3, H, W]`` or clips ``[N, F, 3, H, W]``) that share a prompt
+    (``prompts[i]`` is row ``i``'s), averaged over the prompts; a prompt with one row counts
+    as 0."""
+    rows = samples.flatten(1).float()
+    groups: dict[str, list[torch.Tensor]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt, []).append(rows[i])
+    distances = []
+    for group in groups.values():
+        x = torch.stack(group)
+        distances.append(float(torch.cdist(x, x).sum() / max(1, len(group) * (len(group) - 1))))
+    return sum(distances) / len(distances)
 
 
 @contextmanager
@@ -62,12 +79,14 @@ class EvalResult:
     accuracy: float
     num_examples: int
     samples: list[dict] = field(default_factory=list)
+    credit: float | None = None  # the task's mean partial credit (None: it has none)
 
     def to_dict(self) -> dict:
         return {
             "accuracy": self.accuracy,
             "num_examples": self.num_examples,
             "samples": self.samples,
+            "credit": self.credit,
         }
 
 
@@ -82,10 +101,11 @@ def evaluate_task(
     seed: int = 0,
     num_samples_shown: int = 8,
 ) -> EvalResult:
-    """Accuracy of the verifier on ``num_examples`` held-out problems (seeds ``seed + i``)."""
+    """Accuracy of the verifier on ``num_examples`` held-out problems (seeds ``seed + i``),
+    and the task's mean partial credit where it has one (``task.credit_name``)."""
     tokenizer = task.tokenizer
     sampler = sampler.model_copy(update={"generation_length": task.completion_length})
-    correct, samples = 0.0, []
+    correct, credit, samples = 0.0, 0.0, []
     with eval_mode(model):
         for start in range(0, num_examples, batch_size):
             indices = range(start, min(num_examples, start + batch_size))
@@ -102,6 +122,8 @@ def evaluate_task(
             texts = tokenizer.batch_decode(tokens)
             rewards = task.rewards(texts, examples)
             correct += float(rewards.sum())
+            if task.credit_name is not None:
+                credit += sum(task.credit(text, ex) for text, ex in zip(texts, examples))
             for example, text, reward in zip(examples, texts, rewards.tolist()):
                 if len(samples) < num_samples_shown:
                     samples.append(
@@ -112,7 +134,12 @@ def evaluate_task(
                             "correct": bool(reward),
                         }
                     )
-    return EvalResult(accuracy=correct / num_examples, num_examples=num_examples, samples=samples)
+    return EvalResult(
+        accuracy=correct / num_examples,
+        num_examples=num_examples,
+        samples=samples,
+        credit=None if task.credit_name is None else credit / num_examples,
+    )
 
 
 def format_samples(samples: list[dict]) -> str:
@@ -145,6 +172,11 @@ class ImageEvalResult:
     seeds: list[int]
     correct: list[bool]
     images: torch.Tensor
+
+    @property
+    def diversity(self) -> float:
+        """:func:`diversity` of the images (the samples of one prompt)."""
+        return diversity(self.images, self.prompts)
 
     def captions(self) -> list[str]:
         """``"<prompt> ok"`` / ``"<prompt> x"`` per image (grid captions)."""
@@ -305,6 +337,11 @@ class ClipEvalResult:
     images: torch.Tensor
     image_accuracy: float | None = None
     image_attributes: dict[str, float] | None = None
+
+    @property
+    def diversity(self) -> float:
+        """:func:`diversity` of the clips (the clips of one prompt)."""
+        return diversity(self.clips, self.prompts)
 
     def to_dict(self) -> dict:
         return {

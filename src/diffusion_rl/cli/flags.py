@@ -17,6 +17,7 @@ from pathlib import Path
 # checked once it is loaded.
 MAX_SEED = 2**63 - 1  # per-row seeds are mixed into a 63-bit generator seed
 MAX_STEPS = 10**9
+MAX_RUN_SEED = 2**32 - 1  # config.LIMITS["seed"]: a run's seed
 MAX_THREADS = 1024
 MAX_LENGTH = 1 << 20  # models.io.SAMPLER_LIMITS["generation_length"]
 MAX_STEPS_PER_BLOCK = 1 << 20
@@ -31,7 +32,7 @@ MAX_GUIDANCE = 100.0
 MAX_PROMPT_CHARS = 10_000
 # quickstart's (SFT, RL) steps per mode, as in quickstart.py (a test checks they agree; the
 # parser does not import it, so --help and --version need no torch).
-QUICKSTART_STEPS = {"text": (3000, 100), "image": (3000, 120), "workflow": (1000, 40)}
+QUICKSTART_STEPS = {"text": (400, 80), "image": (3000, 120), "workflow": (1000, 40)}
 QUICKSTART_WORKFLOW_VIDEO_SFT_STEPS = 3000  # the workflow's second SFT stage
 
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}

@@ -163,5 +163,6 @@ def cmd_quickstart(args) -> int:
         rl_steps=args.rl_steps,
         overrides=args.set,
         threads=args.threads,
+        seed=args.seed,
     )
     return 0

@@ -139,6 +139,9 @@ class SFTRecipeConfig(RunConfig):
     micro_batch_size: int | None = Field(default=None, gt=0)
     activation_checkpointing: bool = False
     eval_examples: int = Field(default=256, gt=0)
+    # stop at the first evaluation (every eval_every steps) whose held-out accuracy reaches
+    # this, so that RL after SFT starts with headroom (null: train all steps)
+    stop_at_accuracy: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -323,6 +326,9 @@ class FlowSFTRecipeConfig(RunConfig):
     activation_checkpointing: bool = False  # pipeline models (docs/flow_models.md)
     eval_samples_per_prompt: int = Field(default=4, gt=0)
     grid_images: int = Field(default=16, ge=0)
+    # stop at the first evaluation (every eval_every steps) whose held-out accuracy reaches
+    # this, so that RL after SFT starts with headroom (null: train all steps)
+    stop_at_accuracy: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

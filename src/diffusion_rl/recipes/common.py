@@ -188,11 +188,18 @@ def save_token_model(directory, model, task, sampler, trained_steps: int) -> Non
 
 
 def evaluate_tokens(model, task, sampler, config, step: int):
-    """Held-out accuracy with the serving sampler: (history record, metrics, full result)."""
+    """Held-out accuracy with the serving sampler (and the task's partial credit, ``credit``,
+    where it has one): (history record, metrics, full result)."""
     result = evaluate_task(
         model, task, sampler, num_examples=config.eval_examples, seed=config.seed
     )
-    return {"step": step, "accuracy": result.accuracy}, {"eval/accuracy": result.accuracy}, result
+    record, metrics = (
+        {"step": step, "accuracy": result.accuracy},
+        {"eval/accuracy": result.accuracy},
+    )
+    if result.credit is not None:
+        record["credit"], metrics["eval/credit"] = result.credit, result.credit
+    return record, metrics, result
 
 
 # ----------------------------------------------------------------------------- flow world
@@ -295,15 +302,21 @@ def before_after(
 
 
 def eval_record(result: ImageEvalResult | ClipEvalResult, step: int) -> tuple[dict, dict]:
-    """The history record (step, accuracy, per-attribute accuracy, mean reward) and the
-    metrics (``eval/accuracy``, ``eval/reward_mean``, ``eval/<attribute>``) of an evaluation."""
+    """The history record (step, accuracy, per-attribute accuracy, mean reward, the samples'
+    same-prompt ``diversity``, which no reward trains) and the metrics (``eval/accuracy``,
+    ``eval/reward_mean``, ``eval/diversity``, ``eval/<attribute>``) of an evaluation."""
     record = {
         "step": step,
         "accuracy": result.accuracy,
         "attributes": result.attributes,
         "reward_mean": result.reward_mean,
+        "diversity": result.diversity,
     }
-    metrics = {"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}
+    metrics = {
+        "eval/accuracy": result.accuracy,
+        "eval/reward_mean": result.reward_mean,
+        "eval/diversity": result.diversity,
+    }
     metrics.update({f"eval/{k}": v for k, v in result.attributes.items() if k != "overall"})
     return record, metrics
 

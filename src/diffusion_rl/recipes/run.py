@@ -19,7 +19,9 @@ learner) in ``__init__`` and says how to take one step, evaluate, save its model
    (``metrics.jsonl``, TensorBoard, wandb when ``wandb_project`` is set); an evaluation
    every ``eval_every`` steps (and one before training when the recipe asks for it), each
    appended to the history; a checkpoint every ``checkpoint_every`` steps and at ``steps``;
-   then the final evaluation;
+   then the final evaluation. An SFT run with ``stop_at_accuracy`` stops (checkpointed) at
+   the first evaluation whose held-out accuracy reaches it: that evaluation is its final
+   one, and a rerun with the same target finds the run finished;
 4. reports: the recipe's plot (``curves.png`` by default), the final model directory, and
    ``results.json`` (the recipe's numbers plus steps, time, history, skipped steps).
 
@@ -313,17 +315,23 @@ def remove_leftovers(out: Path) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- helpers
-def finished_results(out: Path, step: int, steps: int) -> dict[str, Any] | None:
-    """The results of a finished run in ``out``: its checkpoint is at ``step >= steps`` and its
+def finished_results(
+    out: Path, step: int, steps: int, stop_at: float | None = None
+) -> dict[str, Any] | None:
+    """The results of a finished run in ``out``: its checkpoint is at ``step >= steps`` (or
+    at the step where it reached ``stop_at``, the same ``stop_at_accuracy``) and its
     ``results.json`` (written last) reports that step, with the model directory present."""
     path = out / RESULTS_FILE
-    if step < steps or not path.is_file() or not (out / MODEL_DIR).is_dir():
+    if not path.is_file() or not (out / MODEL_DIR).is_dir():
         return None
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
     except ValueError:
         return None
-    return results if isinstance(results, dict) and results.get("steps") == step else None
+    if not isinstance(results, dict) or results.get("steps") != step:
+        return None
+    stopped = stop_at is not None and results.get("stopped_at_accuracy") == stop_at
+    return results if step >= steps or stopped else None
 
 
 def first_non_finite(model: torch.nn.Module) -> tuple[str, torch.Tensor] | None:
@@ -506,7 +514,9 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
         recipe.load_state(state["recipe"])
         history = list(state["history"])
         resumed_at = recipe.steps_done()
-        done = finished_results(out, resumed_at, config.steps)
+        done = finished_results(
+            out, resumed_at, config.steps, getattr(config, "stop_at_accuracy", None)
+        )
         if done is not None:
             echo(
                 f"already finished: {out} holds a complete run of {resumed_at} steps; results in "
@@ -564,6 +574,7 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
 
         with _InterruptGuard() as interrupt:
             bar = progress(config.steps, recipe.name, disable=not world.is_main)
+            stopped = False  # by stop_at_accuracy (the last evaluation is the final one)
             try:
                 if recipe.eval_before and not history:
                     evaluate("before")
@@ -589,9 +600,16 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
                         postfix["acc" if what == "accuracy" else "eval"] = f"{value:.3f}"
                         if bar.disable:
                             echo(f"step {step}/{config.steps}: held-out {what} {value:.3f}")
+                        stopped = _reached(config, what, value)
                     bar.set_postfix(postfix)
-                    if step % config.checkpoint_every == 0:
+                    if step % config.checkpoint_every == 0 or stopped:
                         save()
+                    if stopped:
+                        echo(
+                            f"step {step}: held-out accuracy {value:.3f} reached "
+                            f"stop_at_accuracy {config.stop_at_accuracy}; training stops here"
+                        )
+                        break
                 if saved_at != recipe.steps_done():
                     save()  # the last step (or the one Ctrl-C let finish)
             except KeyboardInterrupt as stop:  # mid-step: a second signal, or raised by the step
@@ -613,7 +631,8 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
                         f"{checkpoint}; run the same command again to resume from it"
                     )
                     raise RunInterrupted(message, signum)
-                evaluate("after")
+                if not stopped:
+                    evaluate("after")
             except RunInterrupted:
                 raise
             except KeyboardInterrupt as stop:
@@ -642,6 +661,7 @@ def run(config: Any, build: Callable[[Any], Recipe], echo: Echo = print) -> dict
     results = {
         "recipe": recipe.name,
         "steps": recipe.steps_done(),
+        "stopped_at_accuracy": config.stop_at_accuracy if stopped else None,
         "elapsed_s": round(time.perf_counter() - started, 2),
         **recipe.results(history),
         "history": history,
@@ -684,6 +704,12 @@ class _NoLogger:
 
     def flush(self) -> None:
         pass
+
+
+def _reached(config: Any, what: str, value: float) -> bool:
+    """Whether an evaluation's headline reached the run's ``stop_at_accuracy`` (SFT recipes)."""
+    target = getattr(config, "stop_at_accuracy", None)
+    return target is not None and what == "accuracy" and value >= target
 
 
 def _headline(record: dict[str, Any]) -> tuple[str, float]:

@@ -107,6 +107,7 @@ class SudokuTask(TextTask):
     def __init__(self, config: SudokuConfig | None = None, tokenizer=None) -> None:
         super().__init__(config, tokenizer)
         self._verifier = SudokuReward(mode="exact")
+        self._cells = SudokuReward(mode="cells")
         cells, block = self.config.size**2, self.config.block_size
         if self.config.completion_length is None:
             self._completion_length = math.ceil((cells + 1) / block) * block
@@ -183,3 +184,10 @@ class SudokuTask(TextTask):
                 f"reward: expected completion text as a str, got {type(completion_text).__name__}"
             )
         return self._verifier.score(completion_text, example.givens, example.size)
+
+    credit_name = "blank cells"
+
+    def credit(self, completion_text: str, example: SudokuExample) -> float:
+        """The fraction of the puzzle's blanks filled with the solution's digit
+        (``SudokuReward(mode="cells")``); 0.0 for text that is not a grid."""
+        return self._cells.score(completion_text, example.givens, example.size)

@@ -126,6 +126,14 @@ class TextTask:
     def reward(self, completion_text: str, example: Any) -> float:
         raise NotImplementedError
 
+    # a graded score that training does not use (held out beside the reward), and its name in
+    # tables; None: the task has none
+    credit_name: ClassVar[str | None] = None
+
+    def credit(self, completion_text: str, example: Any) -> float:
+        """Partial credit in [0, 1] of one completion (only where ``credit_name`` is set)."""
+        raise NotImplementedError(f"the {self.name} task has no partial credit")
+
     # ------------------------------------------------------------------ settings
     @property
     def block_size(self) -> int:
