@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -719,61 +717,3 @@ def test_an_sdar_model_with_blocks_of_8_and_no_info_file_generates(capsys, tmp_p
     capsys.readouterr()
     line = _one_line_error(capsys, [*argv, "--block-size", "4"])
     assert "--block-size: this block-causal model was built for blocks of 8, got 4" in line
-
-
-# ----------------------------------------------------------------------------- the README
-def test_readme_commands_parse_and_read_models_that_earlier_commands_write(monkeypatch):
-    """Every ``diffusion-rl`` line of the README's code blocks parses, and every model it
-    reads (``--model``, a recipe's ``model`` / ``student`` / ``teacher`` path) is written by a
-    command on an earlier line: the quickstart's stage directories, a recipe's
-    ``output_dir/model``."""
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.chdir(root)
-    blocks = re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), flags=re.S)
-    lines = [line for block in blocks for line in block.splitlines()]
-    commands = [line.split("  #")[0] for line in lines if line.startswith("diffusion-rl ")]
-    written: set[str] = set()
-    reads = 0
-    for line in commands:
-        argv = shlex.split(line.replace("[", " ").replace("]", " "))[1:]
-        if "|" in argv:  # the synopsis: quickstart [--set sft.key=value | grpo.key=value]
-            argv = ["quickstart"]
-        if argv == ["--version"]:
-            continue
-        args = cli.build_parser().parse_args(argv)
-        if args.command == "quickstart" and args.mode == "workflow":
-            out = args.output_dir or "runs/quickstart_workflow"
-            written |= {f"{out}/image_sft/model", f"{out}/video_sft/model"}
-            written |= {f"{out}/workflow.yaml", f"{out}/workflow_rl/model/workflow.yaml"}
-            if out == "runs/quickstart_workflow":  # the built-in workflow's file
-                written.add("text-to-image-to-video")
-        elif args.command == "quickstart":
-            stages = ("sft", "grpo") if args.mode == "text" else ("flow_sft", "flow_grpo")
-            out = (
-                args.output_dir
-                or f"runs/{'quickstart' if args.mode == 'text' else 'quickstart_image'}"
-            )
-            written |= {f"{out}/{stage}/model" for stage in stages}
-        elif args.command in cli.RECIPES:
-            cls = CONFIG_CLASSES[args.command]
-            loaded = config.load_config(args.config, cls, args.set)
-            for section in ("model", "student", "teacher"):
-                path = getattr(getattr(loaded, section, None), "path", None)
-                if path is not None and path != "DIR":  # DIR: a placeholder
-                    assert path in written, (line, section, path)
-                    reads += 1
-            workflow = getattr(loaded, "workflow", None)
-            if workflow is not None:  # workflow-rl reads a workflow, writes another
-                assert workflow in written, (line, "workflow", workflow)
-                reads += 1
-                written.add(f"{loaded.output_dir}/model/workflow.yaml")
-            if not args.print_config:
-                written.add(f"{loaded.output_dir}/model")
-        elif args.command == "serve":  # repeatable --model NAME=DIR / --workflow
-            for spec in (args.model or []) + (args.workflow or []):
-                assert spec.split("=", 1)[-1] in written, line
-                reads += 1
-        else:
-            assert (args.model or args.workflow) in written, line
-            reads += 1
-    assert len(commands) >= 12 and reads >= 7
