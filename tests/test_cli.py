@@ -359,10 +359,10 @@ def test_quickstart_help_describes_both_modes(capsys):
         "workflow": (image_sft, quickstart.QUICKSTART_WORKFLOW_RL_STEPS),
     } == cli.QUICKSTART_STEPS
     assert (
-        "(default: at most 400, stopped at 15 % held-out accuracy; image: 3000; workflow: 1000 "
+        "(default: at most 400, stopped at 15 % held-out accuracy; image: 5000; workflow: 1000 "
         "image and 3000 video SFT steps, --steps sets both)" in text
     )
-    assert "(default: 80; image: 120; workflow: 40)" in text
+    assert "(default: 80; image: 100; workflow: 80)" in text
     assert "seed of every stage" in text
 
 
