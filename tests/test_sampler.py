@@ -247,7 +247,7 @@ def test_threshold_schedule_commits_confident_slots_together():
     assert sum(steps_used) < 8 * 8  # some slots were committed together
 
 
-@pytest.mark.parametrize("confidence", ["probability", "margin", "neg_entropy"])
+@pytest.mark.parametrize("confidence", ["probability", "margin", "neg_entropy", "left_to_right"])
 def test_confidence_variants_decode_and_capture(confidence):
     model = tiny_model("block_causal")
     ids, mask = prompts()
@@ -258,6 +258,9 @@ def test_confidence_variants_decode_and_capture(confidence):
     assert trace.sampler["confidence"] == confidence
     assert bool(torch.isfinite(trace.behaviour_logprobs).all())
     assert set(trace.kernel_ids) == {"token_sample_step", "token_logprobs"}
+    if confidence == "left_to_right":  # two steps per block of 4: slots 0-1, then 2-3
+        steps = trace.commit_steps.view(8, 2, 4) % 2
+        assert steps.tolist() == [[[0, 0, 1, 1]] * 2] * 8
 
 
 def test_sampler_config_errors():

@@ -111,7 +111,9 @@ def token_sample_step_reference(
     ``proposal`` long ``[B, K]``, behaviour ``logprob`` float32 ``[B, K]`` (same formula as
     :func:`token_logprobs_reference`) and ``confidence`` float32 ``[B, K]``:
     ``"probability"`` p(proposal), ``"margin"`` top-1 minus top-2 probability,
-    ``"neg_entropy"`` Σ p log p — all under the scoring temperature.
+    ``"neg_entropy"`` Σ p log p — all under the scoring temperature — or ``"left_to_right"``
+    0 everywhere (ties go to the lowest position, so slots commit in order: an order that does
+    not depend on the weights, so a trace's action is exactly its token).
     """
     if temperature > 0:
         if gumbel is None:
@@ -133,9 +135,12 @@ def token_sample_step_reference(
         conf = top2[..., 0] - top2[..., 1]
     elif confidence == "neg_entropy":
         conf = torch.where(probs > 0, probs * logp_all, torch.zeros_like(probs)).sum(-1)
+    elif confidence == "left_to_right":
+        conf = torch.zeros_like(logprob)
     else:
         raise ValueError(
-            f"confidence: expected 'probability', 'margin' or 'neg_entropy', got {confidence!r}"
+            "confidence: expected 'probability', 'margin', 'neg_entropy' or 'left_to_right', "
+            f"got {confidence!r}"
         )
     return proposal, logprob, conf
 

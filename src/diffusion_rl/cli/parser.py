@@ -93,8 +93,9 @@ def _add_token_sampler_flags(parser) -> argparse._ArgumentGroup:
     )
     group.add_argument(
         "--confidence",
-        choices=["probability", "margin", "neg_entropy"],
-        help="how a slot's confidence is scored to choose which slots to commit",
+        choices=["probability", "margin", "neg_entropy", "left_to_right"],
+        help="how a slot's confidence is scored to choose which slots to commit "
+        "(left_to_right: in order, whatever the model)",
     )
     group.add_argument(
         "--schedule",

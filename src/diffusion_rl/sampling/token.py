@@ -49,7 +49,7 @@ class TokenSamplerConfig(BaseModel):
     block_size: int = Field(default=4, gt=0)
     steps_per_block: int = Field(default=4, gt=0)
     temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
-    confidence: Literal["probability", "margin", "neg_entropy"] = "probability"
+    confidence: Literal["probability", "margin", "neg_entropy", "left_to_right"] = "probability"
     schedule: Literal["fixed", "threshold"] = "fixed"
     threshold: float = Field(default=0.9, gt=0.0, le=1.0, allow_inf_nan=False)
     use_cache: bool | None = None

@@ -78,7 +78,7 @@ class _SamplingFields(BaseModel):
     # the sampler's own settings (TokenSamplerConfig)
     block_size: int | None = Field(default=None, ge=1)
     steps_per_block: int | None = Field(default=None, ge=1)
-    confidence: Literal["probability", "margin", "neg_entropy"] | None = None
+    confidence: Literal["probability", "margin", "neg_entropy", "left_to_right"] | None = None
     schedule: Literal["fixed", "threshold"] | None = None
     threshold: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
 
