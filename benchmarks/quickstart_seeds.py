@@ -169,7 +169,7 @@ def plot(units: list[dict], modes, path: Path) -> None:
     labels = {
         "text": "text: GRPO, held-out accuracy %",
         "image": "image: AWM, held-out accuracy %",
-        "workflow": "workflow: RL, final-video score %",
+        "workflow": "workflow: AWM on both stages, final-video score %",
     }
     for ax, mode in zip(axes[0], modes):
         for u in sorted((u for u in units if u["mode"] == mode), key=lambda u: u["seed"]):
