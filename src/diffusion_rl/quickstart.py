@@ -134,12 +134,10 @@ def run_quickstart(
     )
     sft = run_sft(sft_config)
     print(f"      held-out accuracy {sft['eval']['accuracy']:.1%} after {sft['steps']} steps")
-    print(
-        f"[2/2] {grpo_config.policy.algorithm.upper()} with exact trace replay, {grpo_config.steps} steps"
-    )
+    algorithm = grpo_config.policy.algorithm.upper()
+    print(f"[2/2] {algorithm} with exact trace replay, {grpo_config.steps} steps")
     grpo = run_grpo(grpo_config)
 
-    algorithm = grpo_config.policy.algorithm.upper()
     credit = TASKS[sft_config.task.name][1].credit_name  # held out: the reward is the answer
     rows = [("after SFT", sft), (f"after {algorithm}", grpo)]
     print(f"\n  stage          held-out accuracy   {credit or '':>11}   time")
