@@ -305,17 +305,18 @@ def eval_record(result: ImageEvalResult | ClipEvalResult, step: int) -> tuple[di
     """The history record (step, accuracy, per-attribute accuracy, mean reward, the samples'
     same-prompt ``diversity``, which no reward trains) and the metrics (``eval/accuracy``,
     ``eval/reward_mean``, ``eval/diversity``, ``eval/<attribute>``) of an evaluation."""
+    diversity = result.diversity  # computed once: pairwise distances over every sample
     record = {
         "step": step,
         "accuracy": result.accuracy,
         "attributes": result.attributes,
         "reward_mean": result.reward_mean,
-        "diversity": result.diversity,
+        "diversity": diversity,
     }
     metrics = {
         "eval/accuracy": result.accuracy,
         "eval/reward_mean": result.reward_mean,
-        "eval/diversity": result.diversity,
+        "eval/diversity": diversity,
     }
     metrics.update({f"eval/{k}": v for k, v in result.attributes.items() if k != "overall"})
     return record, metrics
