@@ -72,6 +72,13 @@ def record(lr: float, out: Path, settings: dict, window: int, start: float) -> d
         return [round(scale * window_mean(steps, key, window, last), 3) for last in (False, True)]
 
     reward = both("rollout/reward_mean", 100)
+    bounded = {}
+    if any("learner/step_kl" in r for r in steps):  # the step's policy change, measured
+        bounded = {
+            "step_kl_unbounded_first_last": both("learner/step_kl_unbounded"),
+            "step_kl_first_last": both("learner/step_kl"),
+            "step_scale_first_last": both("learner/step_scale"),
+        }
     return {
         "lr": lr,
         "settings": settings,
@@ -88,6 +95,7 @@ def record(lr: float, out: Path, settings: dict, window: int, start: float) -> d
         ],
         "entropy_first_last": both("policy/entropy"),
         "length_first_last": both("rollout/mean_length"),
+        **bounded,
     }
 
 

@@ -96,6 +96,9 @@ class PolicyLossConfig(BaseModel):
     overlong_max_tokens: int | None = Field(default=None, gt=0)  # L_max; None = generation length
     overlong_buffer_tokens: int = Field(default=0, ge=0)  # L_buf; 0 = no shaping
     overlong_penalty: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    # the learner's bound on one step's policy change (nats per action, KL(π_before ‖ π_after)
+    # on the rollout's own actions, by exact replay); None: unbounded (docs/math.md §3)
+    max_step_kl: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _resolve(self) -> PolicyLossConfig:

@@ -13,7 +13,12 @@ which), :meth:`PolicyLearner.step`
 5. runs μ trainer steps; each scores the live actor with gradient on every micro-batch and
    applies the objective (``loss(scores, batch) -> LossOutput``); the attached scores stay
    fixed across them (μ = 1: ``ℓold = stop_grad(ℓθ)``, every ratio exactly 1);
-6. syncs the rollout weights (version v + 1): a copy of the actor, or, for plans whose old
+6. where the plan bounds the step (``max_step_kl`` κ, the token GRPO family), measures how
+   far the μ steps moved the policy the sampler runs, D = KL(π_before ‖ π_after) per action
+   on the rollout's own actions (:meth:`bound_step`), and when D > κ pulls the actor back
+   along the step to ``θ_before + √(κ / D) · (θ_after − θ_before)``: a trust region that
+   binds at μ = 1, where every ratio is 1 and no clip can;
+7. syncs the rollout weights (version v + 1): a copy of the actor, or, for plans whose old
    policy lags (``rollout_decay``), a moving average toward it.
 
 Live, reference and old policy are scored by the same plan on the same micro-batches, so they
@@ -33,6 +38,7 @@ sees the same draws; the per-micro-batch generator serves only keyless estimator
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,6 +70,9 @@ class LearnerPlan(Protocol):
     * ``loss(scores, batch) -> LossOutput``.
     * ``rollout_decay(step) -> float``: how the rollout weights follow the actor after learner
       step ``step``: 0 copies them, ``d > 0`` makes them ``d · rollout + (1 − d) · actor``.
+    * optional ``max_step_kl`` (None: unbounded) and ``step_divergence(model, batch,
+      settings) -> (kl_sum, weight_sum)``: the bound on one step's policy change, and that
+      change on one micro-batch (see :meth:`PolicyLearner.bound_step`).
     """
 
     num_iterations: int
@@ -311,6 +320,53 @@ class PolicyLearner:
             or head in ("loss", "grad_norm")
         )
 
+    def step_divergence(self, name: str, micro: list[MicroBatch], settings) -> float:
+        """KL(π_before ‖ π_now) per action of stage ``name``'s rollout (its micro-batches
+        ``micro``), summed over every rank's actions: the plan's estimate, with the actor as
+        it is now, without gradient, under the trainer's precision."""
+        stage = self.stages[name]
+        module = self.trainer.model[name] if name else self.trainer.model
+        device = stage.roles.compute_device
+        totals = [0.0, 0.0]
+        training = module.training
+        module.eval()  # as the rollout weights sampled
+        try:
+            with torch.no_grad(), self.trainer.autocast():
+                for m in micro:
+                    batch = _to_device(m.batch, device)
+                    kl, weight = stage.plan.step_divergence(module, batch, settings)
+                    if not m.ghost:
+                        totals[0] += kl
+                        totals[1] += weight
+        finally:
+            module.train(training)
+        kl, weight = self.trainer.world.sum(totals)
+        return kl / weight if weight > 0 else 0.0
+
+    def bound_step(self, name: str, before, micro: list[MicroBatch], settings) -> dict:
+        """The trust region of one step (plans with ``max_step_kl`` κ): D = the step's
+        divergence (:meth:`step_divergence`); when D > κ every trained weight is pulled back
+        to ``θ_before + s · (θ − θ_before)``, ``s = √(κ / D)`` (a KL grows with the square of
+        a small step), and D is measured again. ``before``: the start-of-step snapshot (sharded
+        like the actor under several processes, so shards pull back locally). The optimizer's
+        state is left as the step made it. Returns ``step_kl`` (D after the bound),
+        ``step_kl_unbounded`` and ``step_scale`` s (1: the bound did not bind)."""
+        bound = _bound(self.stages[name].plan)
+        module = self.trainer.model[name] if name else self.trainer.model
+        divergence = self.step_divergence(name, micro, settings)
+        result = {"step_kl_unbounded": divergence, "step_scale": 1.0, "step_kl": divergence}
+        if divergence <= bound:
+            return result
+        scale = math.sqrt(bound / divergence)
+        olds = dict(before.named_parameters())
+        with torch.no_grad():
+            for key, param in module.named_parameters():
+                if param.requires_grad and olds[key] is not param:
+                    param.lerp_(olds[key].to(param.device), 1.0 - scale)
+        result["step_scale"] = scale
+        result["step_kl"] = self.step_divergence(name, micro, settings)
+        return result
+
     def step(self, rollout) -> dict[str, float]:
         """One optimisation step (μ inner iterations) on ``rollout``; syncs the rollout
         weights. Returns the trainer's metrics (per inner iteration for the objective's keys),
@@ -365,6 +421,8 @@ class PolicyLearner:
                 MicroBatch(m.index, plan.attach(m.batch, r, o, s), name, m.ghost)
                 for m, r, o, s in zip(own, reference, old, sampler)
             ]
+        bounded = [name for name, stage in self.stages.items() if _bound(stage.plan) is not None]
+        before = {name: self.stages[name].roles.take_snapshot() for name in bounded}
         loss_fn = functools.partial(self._live_loss, settings=settings, rollout_step=rollout_step)
         prefixes = {stage.plan.metric_prefix for stage in self.stages.values()} - {None}
         metrics: dict[str, float] = {}
@@ -375,6 +433,11 @@ class PolicyLearner:
                     if self._per_iteration(key, prefixes):
                         metrics[f"{key}@iter{iteration}"] = value
             metrics.update(result.metrics)
+        for name in bounded:
+            tag = f"{name}/" if name else ""
+            own = [m for m in micro if m.part == name]
+            bound = self.bound_step(name, before[name], own, settings[name])
+            metrics.update({f"{tag}learner/{key}": value for key, value in bound.items()})
         for name, stage in self.stages.items():
             tag = f"{name}/" if name else ""
             count = sum(m.part == name and not m.ghost for m in micro)
@@ -386,6 +449,10 @@ class PolicyLearner:
                 metrics[f"{tag}learner/old_policy_decay"] = decay
             metrics.update({f"{tag}{k}": v for k, v in rollouts[name].stats.items()})
         return metrics
+
+
+def _bound(plan) -> float | None:
+    return getattr(plan, "max_step_kl", None)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -45,7 +45,7 @@ from ..objectives.forward_flow import (
     forward_flow_loss,
     old_policy_decay,
 )
-from ..objectives.grpo import PolicyLoss
+from ..objectives.grpo import PolicyLoss, kl_per_action
 from ..scoring.estimators import make_scorer
 from ..scoring.flow import FlowReplayScorer, FlowStepScores
 from ..scoring.replay import ReplayScorer, ReplayScores
@@ -100,6 +100,7 @@ class TokenPolicyPlan(_CopiedRollout):
         self.compute_entropy = compute_entropy
         self.num_iterations = loss.config.num_iterations
         self.uses_reference = loss.config.uses_reference
+        self.max_step_kl = loss.config.max_step_kl
 
     def check(self, roles: PolicyRoles) -> None:
         _check_target_aligned(roles.actor, "model")
@@ -112,7 +113,9 @@ class TokenPolicyPlan(_CopiedRollout):
         }
         if self.scorer == "exact":
             settings.update(ReplayScorer.trace_options(trace))
-        elif self.scorer == "spg":  # block-wise masks follow the sampler's blocks
+        if self.max_step_kl is not None:  # the step's divergence is read by exact replay
+            settings["replay"] = ReplayScorer.trace_options(trace)
+        if self.scorer == "spg":  # block-wise masks follow the sampler's blocks
             settings["block_size"] = trace.sampler.get("block_size")
         return settings
 
@@ -128,6 +131,7 @@ class TokenPolicyPlan(_CopiedRollout):
 
     def score(self, model, batch, settings, *, live, generator) -> ReplayScores:
         options = dict(settings)
+        options.pop("replay", None)
         if self.scorer in EXACT_SCORERS:
             options.update(stop_gradient=not live, compute_entropy=live and self.compute_entropy)
         else:  # approximate estimators: no kernel pinning, no entropy
@@ -145,6 +149,25 @@ class TokenPolicyPlan(_CopiedRollout):
 
     def loss(self, scores: ReplayScores, batch: DiffusionTokenBatch) -> LossOutput:
         return self.objective(scores, batch)
+
+    def step_divergence(self, model, batch: DiffusionTokenBatch, settings) -> tuple[float, float]:
+        """How far a step moved the policy the sampler runs, on this micro-batch: the sum over
+        its actions (weighted like the loss) of the k3 estimate of KL(π_before ‖ π_after) and
+        the sum of the weights. π_before's log-probs are the trace's behaviour log-probs (the
+        rollout weights are the start-of-step actor); π_after's are ``model``'s, by exact
+        replay whatever the training scorer, since the bound is on what the sampler does."""
+        options = {
+            "temperature": settings["temperature"],
+            "kernel_id": settings["kernel_id"],
+            **settings["replay"],
+        }
+        after = ReplayScorer(model, **options, stop_gradient=True).score(batch).logprobs
+        inputs = batch.model_inputs
+        active = batch.active & (inputs["commit_steps"] >= 0) & (batch.loss_weights != 0)
+        weights = torch.where(active, batch.loss_weights.float(), 0.0)
+        before = torch.where(active, inputs["behaviour_logprobs"].float(), 0.0)
+        kl = kl_per_action(before, torch.where(active, after, 0.0), "k3")
+        return float((kl * weights).sum()), float(weights.sum())
 
 
 class FlowPolicyPlan(_CopiedRollout):
