@@ -32,12 +32,19 @@ step), which halves the rollout and the replay. Held-out accuracy on 512 problem
 measured before this setting (``benchmarks/README.md``) used ``beta: 0``, which paid for a
 reference pass every step: fewer steps in the same CPU budget.
 
+Each seed (``--seeds``, default 0 1 2: the GRPO runs' seed; the SFT start is shared) is one
+unit: both scorers' runs and their held-out measures, appended as one JSON line to
+``--results`` (``benchmarks/results/grpo_learning.jsonl``) as it finishes; a rerun skips the
+seeds already there under the same settings (``--fresh`` redoes them). The last line printed
+is the summary over the seeds (mean, min and max per scorer).
+
     python benchmarks/grpo_learning.py --minutes 10
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -73,57 +80,31 @@ BENCHMARK_SETTINGS = {
 # sampled at the rollout temperature, HELDOUT_SAMPLES completions per problem.
 HELDOUT_SAMPLES = 4
 HELDOUT_MEASURES = ("well_formed", "digits", "sampled_accuracy", f"pass@{HELDOUT_SAMPLES}")
+SCORERS = ("exact", "mean_field")
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks/results/grpo_learning.jsonl"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--minutes", type=float, default=10.0, help="GRPO CPU-time budget per estimator"
-    )
-    parser.add_argument("--sft-model", help="an SFT model directory (default: train one here)")
-    parser.add_argument("--sft-steps", type=int, default=400)
-    parser.add_argument("--num-digits", type=int, default=2)
-    parser.add_argument("--out", default="runs/bench_grpo_learning")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="GRPO config override"
-    )
-    args = parser.parse_args()
-    out = Path(args.out)
+def run_seed(args, seed: int, sft_model: str, overrides: dict, heldout_start: dict | None):
+    """Both scorers side by side at ``seed`` (the GRPO run's seed: rollout noise and prompt
+    order; the SFT start is shared); returns the unit's record and the start's measures."""
+    import torch
+    from heldout import token_metrics
+
+    from diffusion_rl.config import GRPORecipeConfig, build_config
+
+    out = Path(args.out) / f"seed{seed}"
     task = {"name": "arithmetic", "num_digits": args.num_digits}
-
-    sft_model = args.sft_model
-    if sft_model is None:
-        print(f"SFT for {args.sft_steps} steps ...", file=sys.stderr)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "diffusion_rl.cli",
-                "sft",
-                "--set",
-                f"output_dir={out / 'sft'}",
-                "--set",
-                f"steps={args.sft_steps}",
-                "--set",
-                f"task.num_digits={args.num_digits}",
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        sft_model = str(out / "sft" / "model")
-
-    from diffusion_rl.config import merge_dicts, parse_overrides
-
-    overrides = merge_dicts(BENCHMARK_SETTINGS, parse_overrides(args.set))
     procs, configs = {}, {}
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    for scorer in ("exact", "mean_field"):
+    for scorer in SCORERS:
         config = {
             "output_dir": str(out / scorer),
             "model": {"path": sft_model},
             "task": task,
             "scorer": scorer,
+            "seed": seed,
             "steps": 100_000,
             "eval_every": 100_000,
             "checkpoint_every": 100_000,
@@ -145,13 +126,8 @@ def main() -> None:
     wall_runs, load_after = time.perf_counter() - started, os.getloadavg()[0]
     # The held-out measures the runs do not train on: the start and each final model, on the
     # recipe's evaluation problems and sampler, in this process at one thread after the runs.
-    import torch
-    from heldout import token_metrics
-
-    from diffusion_rl.config import GRPORecipeConfig, build_config
-
     torch.set_num_threads(1)
-    print("held-out measures ...", file=sys.stderr)
+    print(f"seed {seed}: held-out measures ...", file=sys.stderr)
     eval_started = time.perf_counter()
 
     def measures(model_dir: str, scorer: str) -> dict:
@@ -160,10 +136,11 @@ def main() -> None:
             model_dir, config, samples=HELDOUT_SAMPLES, temperature=config.sampler.temperature
         )
 
-    heldout_start = measures(sft_model, "exact")
+    if heldout_start is None:
+        heldout_start = measures(sft_model, "exact")
     heldout = {scorer: measures(str(out / scorer / "model"), scorer) for scorer in results}
-    report = {
-        "benchmark": "grpo_learning",
+    unit = {
+        "seed": seed,
         "minutes_per_run": args.minutes,
         "task": task,
         "settings": overrides,
@@ -171,13 +148,11 @@ def main() -> None:
         "wall_s": round(wall_runs, 1),
         "load_average_before_after": [round(load_before, 2), round(load_after, 2)],
         "heldout_wall_s": round(time.perf_counter() - eval_started, 1),
-        "heldout_measures": list(HELDOUT_MEASURES),
         "heldout_sampled": heldout_start["sampled"],
-        "heldout_start": heldout_start,
     }
     for scorer, result in results.items():
         after = heldout[scorer]
-        report[scorer] = {
+        unit[scorer] = {
             "accuracy_before": result["accuracy_before"],
             "accuracy_after": result["accuracy_after"],
             "gain_points": round(100 * (result["accuracy_after"] - result["accuracy_before"]), 2),
@@ -185,7 +160,7 @@ def main() -> None:
             "cpu_s": result["cpu_s"],
         }
         for measure in HELDOUT_MEASURES:
-            report[scorer].update(
+            unit[scorer].update(
                 {
                     f"{measure}_before": heldout_start[measure],
                     f"{measure}_after": after[measure],
@@ -195,11 +170,100 @@ def main() -> None:
                 }
             )
         # the separate greedy evaluation reproduces the recipe's (same sampler, problems)
-        report[scorer]["eval_matches_recipe"] = after["accuracy"] == round(
+        unit[scorer]["eval_matches_recipe"] = after["accuracy"] == round(
             result["accuracy_after"], 4
         ) and heldout_start["accuracy"] == round(result["accuracy_before"], 4)
-    report["target_met"] = report["exact"]["gain_points"] >= 15
-    print(json.dumps(report))
+    return unit, heldout_start
+
+
+def summary(units: list[dict]) -> dict:
+    """Per scorer: the gain's mean and min-max over the seeds, and each held-out measure's."""
+    report: dict = {"benchmark": "grpo_learning", "seeds": [u["seed"] for u in units]}
+    for scorer in SCORERS:
+        rows = [u[scorer] for u in units]
+        keys = ["gain_points", "steps"] + [f"{m}_change_points" for m in HELDOUT_MEASURES]
+        report[scorer] = {
+            key: {
+                "mean": round(sum(r[key] for r in rows) / len(rows), 2),
+                "min": min(r[key] for r in rows),
+                "max": max(r[key] for r in rows),
+            }
+            for key in keys
+        }
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--minutes", type=float, default=10.0, help="GRPO CPU-time budget per estimator"
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--sft-model", help="an SFT model directory (default: train one here)")
+    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--num-digits", type=int, default=2)
+    parser.add_argument("--out", default="runs/bench_grpo_learning")
+    parser.add_argument("--results", default=str(RESULTS))
+    parser.add_argument("--fresh", action="store_true", help="redo seeds already in --results")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="GRPO config override"
+    )
+    args = parser.parse_args()
+    out = Path(args.out)
+
+    sft_model = args.sft_model
+    if sft_model is None:
+        sft_model = str(out / "sft" / "model")
+        if not Path(sft_model).is_dir():
+            print(f"SFT for {args.sft_steps} steps ...", file=sys.stderr)
+            subprocess.run(
+                [
+                    sys.executable, "-m", "diffusion_rl.cli", "sft",
+                    "--set", f"output_dir={out / 'sft'}",
+                    "--set", f"steps={args.sft_steps}",
+                    "--set", f"task.num_digits={args.num_digits}",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+
+    from diffusion_rl.config import merge_dicts, parse_overrides
+
+    overrides = merge_dicts(BENCHMARK_SETTINGS, parse_overrides(args.set))
+    # a unit is one seed of both scorers, under these settings, budget and start
+    key = {"settings": overrides, "minutes_per_run": args.minutes, "sft_steps": args.sft_steps}
+    key["sft_model"] = args.sft_model
+    key["digest"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    units = []
+    if results.is_file():
+        units = [json.loads(line) for line in results.read_text().splitlines() if line]
+    mine = [u for u in units if u.get("digest") == key["digest"]]
+    done = set() if args.fresh else {u["seed"] for u in mine}
+    heldout_start = None
+    for seed in args.seeds:
+        if seed in done:
+            print(f"seed {seed}: already in {results}, skipped", file=sys.stderr)
+            continue
+        unit, heldout_start = run_seed(args, seed, sft_model, overrides, heldout_start)
+        unit.update(digest=key["digest"], commit=commit())
+        with open(results, "a") as f:
+            f.write(json.dumps(unit) + "\n")
+        mine = [u for u in mine if u["seed"] != seed] + [unit]
+        print(
+            f"seed {seed}: " + ", ".join(f"{s} {unit[s]['gain_points']:+.1f}" for s in SCORERS),
+            file=sys.stderr,
+        )
+    mine = sorted((u for u in mine if u["seed"] in args.seeds), key=lambda u: u["seed"])
+    print(json.dumps(summary(mine)))
+
+
+def commit() -> str:
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    )
+    return done.stdout.strip()
 
 
 if __name__ == "__main__":

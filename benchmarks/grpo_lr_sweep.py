@@ -68,7 +68,9 @@ def record(lr: float, out: Path, settings: dict, window: int, start: float) -> d
     steps = [r for r in rows if "rollout/reward_mean" in r]
     results = json.loads((out / "results.json").read_text())
 
-    def both(key: str, scale: float = 1.0) -> list[float]:
+    def both(key: str, scale: float = 1.0) -> list[float] | None:
+        if not any(key in r for r in steps):
+            return None  # e.g. entropy: the approximate scorers do not compute it
         return [round(scale * window_mean(steps, key, window, last), 3) for last in (False, True)]
 
     reward = both("rollout/reward_mean", 100)
@@ -104,6 +106,11 @@ def main() -> None:
     parser.add_argument("--lrs", nargs="+", type=float, default=[1e-4, 2e-4, 5e-4, 1e-3, 2e-3])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--sft-steps", type=int, default=1000)
+    parser.add_argument(
+        "--start", default=None,
+        help="an SFT model directory to start from instead (e.g. the text quickstart's "
+        "OUT/sft/model, with --set sampler.steps_per_block=2: its sampler)",
+    )  # fmt: skip
     parser.add_argument("--window", type=int, default=10, help="steps averaged at each end")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="runs/grpo_lr_sweep")
@@ -113,15 +120,22 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     sft = out / f"sft{args.sft_steps}"
-    if not (sft / "model").is_dir():
+    if args.start:
+        sft = out / f"start_{hashlib.sha256(args.start.encode()).hexdigest()[:8]}"
+        if not (sft / "model").exists():
+            sft.mkdir(parents=True, exist_ok=True)
+            (sft / "model").symlink_to(Path(args.start).resolve())
+    elif not (sft / "model").is_dir():
         print(f"SFT, {args.sft_steps} steps -> {sft}", file=sys.stderr)
         run(
             ["sft", "--config", "configs/sft_arithmetic.yaml", "--set", "task.num_digits=2",
              "--set", f"steps={args.sft_steps}", "--set", f"output_dir={sft}", "--set", "threads=1"],
             out / "sft.log",
         )  # fmt: skip
-    start = sampled_train_accuracy(sft / "model", out / f"sft{args.sft_steps}_train_eval.log")
+    start = sampled_train_accuracy(sft / "model", out / f"{sft.name}_train_eval.log")
     settings = {"set": args.set, "sft_steps": args.sft_steps, "steps": args.steps}
+    if args.start:
+        settings = {"set": args.set, "start": args.start, "steps": args.steps}
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     done = set()
@@ -132,7 +146,8 @@ def main() -> None:
                 done.add(unit["lr"])
 
     def one(lr: float) -> None:
-        name = f"lr{lr:g}_" + hashlib.sha256(json.dumps(args.set).encode()).hexdigest()[:8]
+        tag = json.dumps([args.set, args.start]) if args.start else json.dumps(args.set)
+        name = f"lr{lr:g}_" + hashlib.sha256(tag.encode()).hexdigest()[:8]
         run_dir = out / name
         argv = ["grpo", "--config", "configs/grpo_arithmetic.yaml", "--set", "threads=1"]
         for value in (

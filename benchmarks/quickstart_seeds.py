@@ -60,12 +60,24 @@ CONSTANTS = {
 }
 
 
+# the recipe defaults its stages take where the quickstart leaves a key unset
+RECIPE_DEFAULTS = {
+    "text": ("SFT_", "GRPO_"),
+    "image": ("FLOW_SFT_", "FLOW_GRPO_"),
+    "workflow": ("FLOW_SFT_", "WORKFLOW_"),
+}
+
+
 def settings_digest(mode: str, extra: list[str]) -> str:
-    """A digest of the quickstart's constants for ``mode`` and the extra ``--set`` flags."""
+    """A digest of the quickstart's constants for ``mode``, the recipe defaults its stages
+    take and the extra ``--set`` flags."""
     from diffusion_rl import quickstart
+    from diffusion_rl.config import recipes
 
     prefixes = (*CONSTANTS[mode], "QUICKSTART_CURVE")
     values = {k: getattr(quickstart, k) for k in dir(quickstart) if k.startswith(prefixes)}
+    defaults = {k: getattr(recipes, k) for k in dir(recipes) if k.startswith(RECIPE_DEFAULTS[mode])}
+    values.update({k: v for k, v in defaults.items() if k.isupper()})
     text = json.dumps([values, extra], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

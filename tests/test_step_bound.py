@@ -10,19 +10,31 @@ segment, at the reported scale).
 from __future__ import annotations
 
 import copy
+import zlib
 
 import pytest
 import torch
 from conftest import tiny_model
-from test_policy import SAMPLER, TASK, spread_rewards
+from test_policy import SAMPLER, TASK
 
 from diffusion_rl.objectives.grpo import PolicyLoss, PolicyLossConfig
+from diffusion_rl.rewards import CombinedReward
 from diffusion_rl.rollout import TokenSource, collect_rollout
 from diffusion_rl.scoring.replay import ReplayScorer
 from diffusion_rl.train import OptimConfig, Trainer
 from diffusion_rl.train.learner import PolicyLearner
 from diffusion_rl.train.plans import TokenPolicyPlan
 from diffusion_rl.train.roles import PolicyRoles
+
+
+class SpreadReward:
+    """A pseudo-reward with spread inside groups, the same in every process (crc32, not the
+    salted ``hash``)."""
+
+    name = "spread"
+
+    def __call__(self, completions, examples):
+        return torch.tensor([float(zlib.crc32(c.encode()) % 3) for c in completions])
 
 
 def learner_for(model, max_step_kl, scorer="exact", lr=1e-4):
@@ -41,7 +53,7 @@ def rollout_of(learner):
     rollout, _ = collect_rollout(
         learner.roles.rollout,
         TokenSource(TASK, SAMPLER),
-        spread_rewards(),
+        CombinedReward([(SpreadReward(), 1.0)]),
         start_prompt=0,
         num_prompts=3,
         group_size=4,
@@ -55,9 +67,11 @@ def rollout_of(learner):
 def replayed_kl(model, trace) -> float:
     """Mean k3 estimate of KL(before ‖ after) over the trace's committed actions, by hand."""
     batch = trace.prepare(1.0)
-    after = ReplayScorer(
-        model.eval(), temperature=trace.temperature, stop_gradient=True
-    ).score(batch).logprobs
+    after = (
+        ReplayScorer(model.eval(), temperature=trace.temperature, stop_gradient=True)
+        .score(batch)
+        .logprobs
+    )
     acted = batch.active & (batch.model_inputs["commit_steps"] >= 0)
     log_ratio = (after - trace.behaviour_logprobs)[acted].double()
     return float((log_ratio.exp() - log_ratio - 1).mean())
@@ -83,7 +97,7 @@ def test_a_binding_bound_pulls_the_step_back_along_itself_to_the_bound(scorer):
 
     unbounded_kl = replayed_kl(free.roles.actor, rollout.trace)
     assert metrics["learner/step_kl_unbounded"] == pytest.approx(unbounded_kl, rel=1e-4)
-    assert unbounded_kl > 10 * 1e-2  # one Adam step at 1e-4 moves this model far
+    assert unbounded_kl > 3 * 1e-2  # one Adam step at 1e-4 moves this model far
     scale = metrics["learner/step_scale"]
     assert scale == pytest.approx((1e-2 / unbounded_kl) ** 0.5)
     theta_free, theta_bounded = trained(free.roles.actor), trained(bounded.roles.actor)

@@ -406,6 +406,7 @@ def run_quickstart_workflow(
         {
             "output_dir": str(out / "video_sft"),
             "steps": video_steps,
+            "eval_every": video_steps,  # once, at the end: the evaluations cost time, not learning
             "threads": threads,
             "seed": seed,
             "task": {"name": "mini-motion"},
@@ -422,6 +423,7 @@ def run_quickstart_workflow(
         {
             "output_dir": str(out / "image_sft"),
             "steps": image_steps,
+            "eval_every": image_steps,
             "threads": threads,
             "seed": seed,
             "task": {

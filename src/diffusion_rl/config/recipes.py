@@ -168,6 +168,12 @@ class SFTRecipeConfig(RunConfig):
 # Rollouts sample at T = 1 (the policy itself); evaluation is greedy (``eval_temperature``).
 GRPO_SAMPLER_DEFAULTS = {"temperature": 1.0}
 GRPO_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
+# The trust region of one step (docs/math.md §3.4): at most 0.003 nats per action of
+# KL(π_before ‖ π_after) on the rollout's own actions. Measured from the text quickstart's SFT
+# start and from 2-digit addition (benchmarks/grpo_lr_sweep.py): steps that raised the reward
+# moved it 0.001-0.005; at lr 5e-4 unbounded steps moved it 0.01-0.12 and the reward
+# collapsed, where bounded at 0.003 it rose as at 1e-4.
+GRPO_POLICY_DEFAULTS = {"max_step_kl": 0.003}
 # The student explores at T = 0.5; the teacher scores exactly the student's states. A fresh
 # optimizer's first steps are the largest: warm up over a tenth of the run, at most 20 steps.
 DISTILL_SAMPLER_DEFAULTS = {"temperature": 0.5}
@@ -181,7 +187,7 @@ class GRPORecipeConfig(RunConfig):
     output_dir: str = "runs/grpo"
     task: TaskSection | None = None  # null: the task recorded in the model directory
     model: PolicyModelSection = PolicyModelSection()
-    policy: PolicyLossConfig = PolicyLossConfig()
+    policy: PolicyLossConfig = PolicyLossConfig(**GRPO_POLICY_DEFAULTS)
     scorer: Literal["exact", "packed", "mean_field", "coupled", "elbo", "spg"] = "exact"
     rewards: list[RewardSection] = [RewardSection()]
     sampler: TokenSamplerConfig = TokenSamplerConfig(**GRPO_SAMPLER_DEFAULTS)
@@ -204,7 +210,11 @@ class GRPORecipeConfig(RunConfig):
     @model_validator(mode="before")
     @classmethod
     def _recipe_defaults(cls, data: Any) -> Any:
-        sections = {"sampler": GRPO_SAMPLER_DEFAULTS, "optim": GRPO_OPTIM_DEFAULTS}
+        sections = {
+            "sampler": GRPO_SAMPLER_DEFAULTS,
+            "optim": GRPO_OPTIM_DEFAULTS,
+            "policy": GRPO_POLICY_DEFAULTS,
+        }
         return _schedule_defaults(cls, data, sections, always=False, warmup_cap=0)
 
     @model_validator(mode="after")
@@ -301,6 +311,12 @@ def flow_policy_defaults(policy: Any) -> Any:
 
 
 FLOW_GRPO_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
+# The trust region of one step (docs/math.md §3.4): at most 0.003 nats per action of
+# KL(π_before ‖ π_after) on the rollout's own actions. Measured from the text quickstart's SFT
+# start and from 2-digit addition (benchmarks/grpo_lr_sweep.py): steps that raised the reward
+# moved it 0.001-0.005; at lr 5e-4 unbounded steps moved it 0.01-0.12 and the reward
+# collapsed, where bounded at 0.003 it rose as at 1e-4.
+GRPO_POLICY_DEFAULTS = {"max_step_kl": 0.003}
 
 
 class FlowSFTRecipeConfig(RunConfig):

@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 
 from ..contracts import LossOutput
 from ..trace import StageMismatchError
+from .parallel import local_tensor
 from .roles import PolicyRoles, StaleTraceError
 from .trainer import Trainer
 
@@ -358,11 +359,13 @@ class PolicyLearner:
         if divergence <= bound:
             return result
         scale = math.sqrt(bound / divergence)
+        _reshard(module)  # under FSDP: the shards are the weights (drop gathered copies)
         olds = dict(before.named_parameters())
         with torch.no_grad():
             for key, param in module.named_parameters():
                 if param.requires_grad and olds[key] is not param:
-                    param.lerp_(olds[key].to(param.device), 1.0 - scale)
+                    mine, old = local_tensor(param), local_tensor(olds[key])
+                    mine.lerp_(old.to(mine.device), 1.0 - scale)
         result["step_scale"] = scale
         result["step_kl"] = self.step_divergence(name, micro, settings)
         return result
@@ -449,6 +452,14 @@ class PolicyLearner:
                 metrics[f"{tag}learner/old_policy_decay"] = decay
             metrics.update({f"{tag}{k}": v for k, v in rollouts[name].stats.items()})
         return metrics
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def _bound(plan) -> float | None:
