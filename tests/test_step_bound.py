@@ -81,10 +81,13 @@ def trained(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("scorer", ["exact", "mean_field"])
-def test_a_binding_bound_pulls_the_step_back_along_itself_to_the_bound(scorer):
+@pytest.mark.parametrize(
+    ("scorer", "attention"),  # the bound reads packed replay (block-causal) or dense replay
+    [("exact", "block_causal"), ("mean_field", "block_causal"), ("exact", "bidirectional")],
+)
+def test_a_binding_bound_pulls_the_step_back_along_itself_to_the_bound(scorer, attention):
     torch.manual_seed(0)
-    start = tiny_model("block_causal", vocab=TASK.tokenizer.vocab_size)
+    start = tiny_model(attention, vocab=TASK.tokenizer.vocab_size)
     free = learner_for(copy.deepcopy(start), None, scorer)
     bounded = learner_for(copy.deepcopy(start), 1e-2, scorer)
     rollout = rollout_of(free)

@@ -65,6 +65,13 @@ def _check_target_aligned(model, role: str) -> None:
         )
 
 
+def _packs(model) -> bool:
+    """Whether packed exact replay can score ``model``: a block-causal model with a block size."""
+    return getattr(model, "attention", None) == "block_causal" and bool(
+        getattr(model, "block_size", None)
+    )
+
+
 def _check_trace(trace, kind: type) -> None:
     if not isinstance(trace, kind):
         raise TypeError(f"trace: expected a {kind.__name__}, got {type(trace).__name__}")
@@ -155,13 +162,14 @@ class TokenPolicyPlan(_CopiedRollout):
         its actions (weighted like the loss) of the k3 estimate of KL(π_before ‖ π_after) and
         the sum of the weights. π_before's log-probs are the trace's behaviour log-probs (the
         rollout weights are the start-of-step actor); π_after's are ``model``'s, by exact
-        replay whatever the training scorer, since the bound is on what the sampler does."""
-        options = {
-            "temperature": settings["temperature"],
-            "kernel_id": settings["kernel_id"],
-            **settings["replay"],
-        }
-        after = ReplayScorer(model, **options, stop_gradient=True).score(batch).logprobs
+        replay whatever the training scorer, since the bound is on what the sampler does
+        (packed replay where the model is block-causal: one forward, the same log-probs)."""
+        options = {"temperature": settings["temperature"], "kernel_id": settings["kernel_id"]}
+        if _packs(model):  # one forward for every step, equal to dense replay to fp32 rounding
+            scorer = make_scorer("packed", model, **options, stop_gradient=True)
+        else:
+            scorer = ReplayScorer(model, **options, **settings["replay"], stop_gradient=True)
+        after = scorer.score(batch).logprobs
         inputs = batch.model_inputs
         active = batch.active & (inputs["commit_steps"] >= 0) & (batch.loss_weights != 0)
         weights = torch.where(active, batch.loss_weights.float(), 0.0)
