@@ -311,12 +311,6 @@ def flow_policy_defaults(policy: Any) -> Any:
 
 
 FLOW_GRPO_OPTIM_DEFAULTS = {"lr": 1e-4, "grad_clip": 1.0}
-# The trust region of one step (docs/math.md §3.4): at most 0.003 nats per action of
-# KL(π_before ‖ π_after) on the rollout's own actions. Measured from the text quickstart's SFT
-# start and from 2-digit addition (benchmarks/grpo_lr_sweep.py): steps that raised the reward
-# moved it 0.001-0.005; at lr 5e-4 unbounded steps moved it 0.01-0.12 and the reward
-# collapsed, where bounded at 0.003 it rose as at 1e-4.
-GRPO_POLICY_DEFAULTS = {"max_step_kl": 0.003}
 
 
 class FlowSFTRecipeConfig(RunConfig):
