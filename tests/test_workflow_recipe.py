@@ -14,6 +14,7 @@ from flow_toy import one_thread, perturbed  # noqa: F401 (fixture: one CPU threa
 
 from diffusion_rl import cli
 from diffusion_rl.config import ConfigError, FlowSFTRecipeConfig, WorkflowRLRecipeConfig
+from diffusion_rl.evaluation import evaluate_workflow
 from diffusion_rl.models.dit import FlowDiT, FlowDiTConfig
 from diffusion_rl.models.io import load_model, save_model
 from diffusion_rl.models.video_dit import VideoDiT, VideoDiTConfig
@@ -198,7 +199,7 @@ def test_forward_process_workflow_rl_rolls_out_the_served_workflow_and_resumes(
     path = _workflow_file(stage_models, tmp_path)
     policy = {"algorithm": algorithm, "timesteps_per_sample": 2, "old_decay_rate": 0.3}
     policy["old_decay_max"] = 0.9
-    extra = {"steps": 3, "eval_every": 3, "policy": policy}
+    extra = {"steps": 3, "eval_every": 3, "policy": policy, "eval_samples_per_prompt": 2}
     straight = run_workflow_rl(
         _rl_config(path, tmp_path / "straight", **extra), echo=lambda _: None
     )
@@ -215,6 +216,17 @@ def test_forward_process_workflow_rl_rolls_out_the_served_workflow_and_resumes(
             _weights(tmp_path / "straight" / "model" / stage),
         )
         assert any(not torch.equal(before[k], after[k]) for k in before), stage
+
+    # what was evaluated is what was saved: the lagging rollout weights, not the actor's
+    saved_spec, _ = load_workflow_spec(straight["workflow"])
+    saved = Workflow(
+        saved_spec,
+        {s.name: load_model(s.model).model for s in saved_spec.stages},
+        task=MotionTask(),
+    )
+    again = evaluate_workflow(saved, samples_per_prompt=2, seed=0)
+    assert again.accuracy == straight["eval"]["accuracy"]
+    assert again.diversity > 0 and again.diversity == straight["history"][-1]["diversity"]
 
     # the first rollout is the served workflow (ODE samplers of the file) at the rollout seeds
     spec, _ = load_workflow_spec(path)

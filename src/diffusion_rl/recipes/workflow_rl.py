@@ -17,7 +17,10 @@ A stage with ``ema_decay`` keeps an exponential moving average of its weights, u
 every step (rollouts still run the live weights); evaluation serves it and the model directory
 saves it.
 
-Evaluation serves the workflow with its own samplers on the held-out prompts at fixed seeds:
+What is evaluated is what is saved: a stage's EMA where it keeps one, else its rollout
+weights (for the forward-process methods the old policy that lags the trained weights;
+for Flow-GRPO a copy of them). Evaluation serves the workflow with its own samplers on the
+held-out prompts at fixed seeds:
 per-attribute accuracy of the final clips, the first stage's image accuracy (a diagnostic),
 and previews ``samples/<tag>.gif`` (animated) and ``samples/<tag>.png`` (frame strips).
 The model directory holds one directory per stage and a ``workflow.yaml`` that serves them.
@@ -302,8 +305,8 @@ class WorkflowRLRecipe(Recipe):
             if stage.name in self.ema:
                 model = self.ema[stage.name].module
                 info["ema_decay"] = self.config.stages[stage.name].ema_decay
-            elif stage.name in self.roles:  # its plain trained weights (published under torchrun)
-                model = self.trainer.host[stage.name]
+            elif stage.name in self.roles:  # what rolled out and was evaluated: for the
+                model = self.roles[stage.name].rollout  # forward methods a lagging average
             else:
                 model = self.models[stage.name]
             save_model(directory / stage.name, model, info)
