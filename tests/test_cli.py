@@ -360,7 +360,7 @@ def test_quickstart_help_describes_both_modes(capsys):
     } == cli.QUICKSTART_STEPS
     assert (
         "(default: at most 400, stopped at 15 % held-out accuracy; image: 5000; workflow: 1000 "
-        "image and 3000 video SFT steps, --steps sets both)" in text
+        "image and 2000 video SFT steps, --steps sets both)" in text
     )
     assert "(default: 80; image: 100; workflow: 120)" in text
     assert "seed of every stage" in text

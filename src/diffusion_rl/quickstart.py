@@ -315,22 +315,26 @@ def run_quickstart_image(
     return summary
 
 
-# Video SFT to 3000 steps: it then animates a clean first frame well (from rendered first
-# frames: direction 100 %, speed 92 %, smoothness 74 %; at 1000 steps 79 / 76 / 37 %). Image
-# SFT to 1000: its first frames are often ragged (held-out image accuracy 12.5 %) and those
-# spoil every attribute of the clip, so the workflow's headroom is in the first stage, which
-# only credit through the final video reaches (benchmarks/README.md, workflow_credit).
-QUICKSTART_WORKFLOW_SFT_STEPS = (1000, 3000)  # image, video
+# Video SFT: 2000 steps at lr 2e-3 (held-out clip accuracy from rendered first frames 32-39 %
+# over seeds 0-2; 3000 steps at lr 1e-3 reached 34-39 % in half as much time again, 1500 at
+# lr 1e-3 only 24 %). Image SFT to 1000: its first frames are often ragged (held-out image
+# accuracy 4-12 %) and those spoil every attribute of the clip, so the workflow's headroom is
+# in the first stage, which only credit through the final video reaches (benchmarks/README.md,
+# workflow_credit). The video model's batch stays 32: at 16, RL gained less (+7.8 mean).
+QUICKSTART_WORKFLOW_SFT_STEPS = (1000, 2000)  # image, video
+QUICKSTART_WORKFLOW_VIDEO_SFT_OPTIM = {"lr": 2e-3}
 QUICKSTART_WORKFLOW_RL_STEPS = 120
 # Workflow RL: AWM on both stages (a forward-process method: rollouts are the workflow file's
 # own ODE samplers, what it serves), 2 prompts x 8 images x 2 videos per step, lr 1e-4 per
-# stage, no EMA; evaluated on 8 clips per held-out prompt (152: at 4 the curve swung by +-4
-# points between evaluations). From the SFT workflows of seeds 0-2, 120 steps moved the
-# final-video score by +12.5 / +13.5 / +14.8 (at lr 3e-4, 80 steps: +9.2 / -0.5 / +4.5; with
-# Flow-GRPO, SDE on the first 4 of 10 steps, lr 1e-4, EMA 0.97, what
-# benchmarks/workflow_credit.py measures: 55.5 -> 58.2 % on seed 0 in 40 steps, then flat).
+# stage, no EMA, 3 forward-noised timesteps per sample (AWM's 6 doubled the learner's time:
+# 2.3 s a step against 1.5 s); evaluated on 8 clips per held-out prompt (152: at 4 the curve
+# swung by +-4 points between evaluations). With 6 timesteps after a 3000-step video SFT,
+# 120 steps moved the final-video score by +12.5 / +13.5 / +14.8 in 13 minutes a run; these
+# settings fit 10 minutes (pilots: +8.7 / +14.1 / +8.5). At lr 3e-4, 80 steps: +9.2 / -0.5 /
+# +4.5; Flow-GRPO (SDE on the first 4 of 10 steps, lr 1e-4, EMA 0.97), what
+# benchmarks/workflow_credit.py measures: 55.5 -> 58.2 % on seed 0 in 40 steps, then flat.
 QUICKSTART_WORKFLOW_RL = {
-    "policy": {"algorithm": "awm"},
+    "policy": {"algorithm": "awm", "timesteps_per_sample": 3},
     "prompts_per_step": 2,
     "group_size": 8,
     "eval_samples_per_prompt": 8,
@@ -411,6 +415,7 @@ def run_quickstart_workflow(
             "seed": seed,
             "task": {"name": "mini-motion"},
             "batch_size": 32,
+            "optim": QUICKSTART_WORKFLOW_VIDEO_SFT_OPTIM,
             "sampler": QUICKSTART_WORKFLOW_SAMPLER,
             "eval_samples_per_prompt": 2,
         },

@@ -33,7 +33,7 @@ MAX_PROMPT_CHARS = 10_000
 # quickstart's (SFT, RL) steps per mode, as in quickstart.py (a test checks they agree; the
 # parser does not import it, so --help and --version need no torch).
 QUICKSTART_STEPS = {"text": (400, 80), "image": (5000, 100), "workflow": (1000, 120)}
-QUICKSTART_WORKFLOW_VIDEO_SFT_STEPS = 3000  # the workflow's second SFT stage
+QUICKSTART_WORKFLOW_VIDEO_SFT_STEPS = 2000  # the workflow's second SFT stage
 
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
 # generate --workflow: an animated GIF of the final clips, PNG frame strips, or every stage's
