@@ -60,17 +60,24 @@ CONSTANTS = {
 }
 
 
-# the recipe defaults its stages take where the quickstart leaves a key unset
+# the recipe defaults its stages take where the quickstart leaves a key unset: the constants
+# by prefix and every field's default of the stages' config classes
 RECIPE_DEFAULTS = {
     "text": ("SFT_", "GRPO_"),
     "image": ("FLOW_SFT_", "FLOW_GRPO_"),
     "workflow": ("FLOW_SFT_", "WORKFLOW_"),
 }
+RECIPE_CONFIGS = {
+    "text": ("SFTRecipeConfig", "GRPORecipeConfig"),
+    "image": ("FlowSFTRecipeConfig", "FlowGRPORecipeConfig"),
+    "workflow": ("FlowSFTRecipeConfig", "WorkflowRLRecipeConfig"),
+}
 
 
 def settings_digest(mode: str, extra: list[str]) -> str:
     """A digest of the quickstart's constants for ``mode``, the recipe defaults its stages
-    take and the extra ``--set`` flags."""
+    take (constants and config fields: a changed default re-runs the mode's units) and the
+    extra ``--set`` flags."""
     from diffusion_rl import quickstart
     from diffusion_rl.config import recipes
 
@@ -78,6 +85,7 @@ def settings_digest(mode: str, extra: list[str]) -> str:
     values = {k: getattr(quickstart, k) for k in dir(quickstart) if k.startswith(prefixes)}
     defaults = {k: getattr(recipes, k) for k in dir(recipes) if k.startswith(RECIPE_DEFAULTS[mode])}
     values.update({k: v for k, v in defaults.items() if k.isupper()})
+    values.update({k: getattr(recipes, k)().model_dump(mode="json") for k in RECIPE_CONFIGS[mode]})
     text = json.dumps([values, extra], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

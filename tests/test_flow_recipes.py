@@ -280,6 +280,42 @@ def test_flow_grpo_from_the_sft_model(tmp_path, sft_run):
     assert moved > 0
 
 
+def test_the_held_out_evaluation_does_not_depend_on_the_run_seed(tmp_path, sft_run):
+    """Runs of seeds 1 and 3 from one start read the same start (the evaluation samples at
+    ``eval_seed``, not the run's seed), that of an independent evaluation at seed 0, while
+    their rollouts differ; ``eval_seed: 5`` moves the held-out noise."""
+    root, _ = sft_run
+    model_dir = root / "sft" / "model"
+    options = {"steps": 1, "eval_samples_per_prompt": 2, "grid_images": 0}
+    runs = {
+        seed: run_flow_grpo(
+            grpo_config(tmp_path, model_dir, f"s{seed}", seed=seed, **options), **QUIET
+        )
+        for seed in (1, 3)
+    }
+    starts = [run["history"][0] for run in runs.values()]
+    assert starts[0]["accuracy"] == starts[1]["accuracy"]
+    assert starts[0]["diversity"] == starts[1]["diversity"] > 0
+    rollouts = [
+        next(r for r in read_records(tmp_path / f"s{seed}" / "metrics.jsonl") if "loss" in r)
+        for seed in (1, 3)
+    ]
+    assert rollouts[0]["loss"] != rollouts[1]["loss"]
+    config = grpo_config(tmp_path, model_dir, **options)
+    model = load_model(model_dir).model
+    for eval_seed, expected in ((0, starts[0]["diversity"]), (5, None)):
+        images = evaluate_images(
+            model, GenEvalTask(), config.sampler, samples_per_prompt=2, seed=eval_seed
+        )
+        if expected is not None:
+            assert images.diversity == expected
+        else:
+            moved = run_flow_grpo(
+                grpo_config(tmp_path, model_dir, "e5", eval_seed=5, **options), **QUIET
+            )
+            assert moved["history"][0]["diversity"] == images.diversity != starts[0]["diversity"]
+
+
 def test_flow_grpo_ema_is_evaluated_and_saved(tmp_path, sft_run):
     root, _ = sft_run
     model_dir = root / "sft" / "model"

@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_integer(0, MAX_RUN_SEED),
         default=0,
         help="seed of every stage: initial weights, data order, rollout noise (the held-out "
-        "problems stay the same, so seeds compare; default: 0)",
+        "problems and their sampling noise stay the same, so seeds compare; default: 0)",
     )
     p.add_argument(
         "--set",

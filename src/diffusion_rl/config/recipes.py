@@ -335,6 +335,9 @@ class FlowSFTRecipeConfig(RunConfig):
     micro_batch_size: int | None = Field(default=None, gt=0)
     activation_checkpointing: bool = False  # pipeline models (docs/flow_models.md)
     eval_samples_per_prompt: int = Field(default=4, gt=0)
+    # the held-out samples' seeds start here, whatever the run's seed: every run's start reads
+    # the same, so runs of several seeds compare on the same noise
+    eval_seed: int = Field(default=0, ge=0)
     grid_images: int = Field(default=16, ge=0)
     # stop at the first evaluation (every eval_every steps) whose held-out accuracy reaches
     # this, so that RL after SFT starts with headroom (null: train all steps)
@@ -414,6 +417,9 @@ class FlowGRPORecipeConfig(RunConfig):
     offload_device: str | None = None
     activation_checkpointing: bool = False  # pipeline models (docs/flow_models.md)
     eval_samples_per_prompt: int = Field(default=4, gt=0)
+    # the held-out samples' seeds start here, whatever the run's seed: every run's start reads
+    # the same, so runs of several seeds compare on the same noise
+    eval_seed: int = Field(default=0, ge=0)
     grid_images: int = Field(default=16, ge=0)
 
     _check_offload = field_validator("offload_device")(_offload_device)
@@ -542,6 +548,9 @@ class WorkflowRLRecipeConfig(RunConfig):
     group_size: int = Field(default=4, gt=1)
     allow_off_policy: bool = False
     eval_samples_per_prompt: int = Field(default=2, gt=0)
+    # the held-out samples' seeds start here, whatever the run's seed: every run's start reads
+    # the same, so runs of several seeds compare on the same noise
+    eval_seed: int = Field(default=0, ge=0)
     preview_clips: int = Field(default=8, ge=0)
 
     @model_validator(mode="before")

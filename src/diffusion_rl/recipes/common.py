@@ -261,7 +261,11 @@ def evaluate_image_model(model, task, sampler, config, step: int, grid: Path):
     When a grid is written, ``record["grid"]`` is its path relative to ``config.output_dir``
     (the run loop logs it as the image ``eval/samples`` at the record's step)."""
     result: ImageEvalResult = evaluate_images(
-        model, task, sampler, samples_per_prompt=config.eval_samples_per_prompt, seed=config.seed
+        model,
+        task,
+        sampler,
+        samples_per_prompt=config.eval_samples_per_prompt,
+        seed=config.eval_seed,
     )
     record, metrics = eval_record(result, step)
     count = min(config.grid_images, result.num_images)
@@ -278,7 +282,11 @@ def evaluate_video_model(model, task, sampler, config, step: int, grid: Path):
     (:func:`~diffusion_rl.evaluation.evaluate_videos`): frame strips of the first
     ``config.grid_images`` clips at ``grid`` and their GIF beside it (``.gif``)."""
     result: ClipEvalResult = evaluate_videos(
-        model, task, sampler, samples_per_prompt=config.eval_samples_per_prompt, seed=config.seed
+        model,
+        task,
+        sampler,
+        samples_per_prompt=config.eval_samples_per_prompt,
+        seed=config.eval_seed,
     )
     record, metrics = eval_record(result, step)
     count = min(config.grid_images, result.num_clips)

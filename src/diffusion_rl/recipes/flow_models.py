@@ -453,7 +453,7 @@ def evaluate_pipeline_model(model, task: TaskView, sampler, config, grid: Path, 
         task,
         sampler,
         samples_per_prompt=config.eval_samples_per_prompt,
-        seed=config.seed,
+        seed=config.eval_seed,
         batch_size=sampler.micro_batch_size or 8,
     )
     return result, save_preview(result, config, grid, video=video)
@@ -526,7 +526,7 @@ def evaluate_prompt_model(model, task, reward_fn, sampler, config, grid: Path, *
         sampler,
         reward_fn,
         samples_per_prompt=config.eval_samples_per_prompt,
-        seed=config.seed,
+        seed=config.eval_seed,
         batch_size=(sampler.micro_batch_size or 8) if pipeline else 128,
     )
     record = {"reward_mean": result.reward_mean, "rewards": dict(result.rewards)}

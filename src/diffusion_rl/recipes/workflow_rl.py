@@ -242,7 +242,7 @@ class WorkflowRLRecipe(Recipe):
         result = evaluate_workflow(
             self.served_workflow,
             samples_per_prompt=self.config.eval_samples_per_prompt,
-            seed=self.config.seed,
+            seed=self.config.eval_seed,
         )
         self.final = result
         record, metrics = eval_record(result, step)
