@@ -386,6 +386,7 @@ def test_forward_process_methods_train_from_served_samples_and_resume_bitwise(
     policy = {"algorithm": algorithm, "old_decay_rate": 0.2, "old_decay_max": 0.5}
     policy["timesteps_per_sample"] = 2
     options = {"steps": 3, "eval_every": 10, "policy": policy, "sampler": {"num_steps": 4}}
+    options["eval_samples_per_prompt"] = 2  # a non-zero diversity: a fingerprint of the images
     config = grpo_config(tmp_path, model_dir, "straight", **options)
     assert config.sampler.mode == "ode" and config.sampler.guidance_scale == 1.0
     with pytest.raises(ConfigError, match="sampler.share_group_noise: ODE rollouts of a group"):
@@ -406,6 +407,11 @@ def test_forward_process_methods_train_from_served_samples_and_resume_bitwise(
     images = sample_flow(model, [e.prompt for e in examples], config.sampler, seeds=seeds).images
     rewards = GenEvalReward()(images, examples)
     assert records[0]["rollout/reward_mean"] == pytest.approx(float(rewards.mean()), abs=1e-6)
+    # what was evaluated last is what was saved (the trained weights, not the lagging copy)
+    saved = load_model(tmp_path / "straight" / "model").model
+    again = evaluate_images(saved, task, config.sampler, samples_per_prompt=2, seed=0)
+    assert again.accuracy == straight["accuracy_after"]
+    assert again.diversity == straight["history"][-1]["diversity"] > 0
 
     real_step = Trainer.train_step
 
