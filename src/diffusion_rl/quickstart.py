@@ -228,7 +228,7 @@ def run_quickstart_image(
             "seed": seed,
             "model": QUICKSTART_IMAGE_MODEL,
             "eval_samples_per_prompt": QUICKSTART_IMAGE_EVAL_SAMPLES,
-            "eval_every": QUICKSTART_IMAGE_SFT_STEPS // 5,
+            "eval_every": QUICKSTART_IMAGE_SFT_STEPS,  # once, at the end: the table's SFT row
         },
         extra,
         "sft",
