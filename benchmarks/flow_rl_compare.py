@@ -25,7 +25,7 @@ method the CPU time at which its mean curve first reaches Flow-GRPO's mean final
 Evaluation: every run from one start reads the same start (the held-out noise is the
 recipe's ``eval_seed``, not the run's seed). The first and last points of a curve are the
 recipe's own before / after evaluations at ``--final-samples`` images per held-out prompt
-(128: 2432 images, a standard error of at most 1 point, reported per run as ``se_before`` /
+(132: 2508 images, a standard error of at most 1 point, reported per run as ``se_before`` /
 ``se_after``); the points between at ``--curve-samples`` (16).
 
 Each finished (method, seed) appends one JSON line to ``--results``
@@ -78,6 +78,7 @@ METHODS = {
 }
 DEFAULT_METHODS = ["flow_grpo", "nft", "awm", "dgpo"]
 RESULTS = Path(__file__).resolve().parent / "results" / "flow_rl_compare.jsonl"
+GRID_S = 10.0  # the mean curves are read every 10 training CPU-seconds
 
 RUN = """
 import json, sys, time, torch
@@ -256,7 +257,7 @@ def summarise(reports: list[dict], minutes: float, every: float) -> dict:
     by_method: dict[str, list[dict]] = {}
     for report in reports:
         by_method.setdefault(report["method"], []).append(report)
-    grid = curve_grid(minutes, every)
+    grid = curve_grid(minutes, GRID_S)
     summary = {}
     for method, runs in by_method.items():
         gains = [r["gain_points"] for r in runs]
@@ -324,7 +325,7 @@ def plot(reports: list[dict], path: str, minutes: float, every: float) -> None:
     by_method: dict[str, list[dict]] = {}
     for report in reports:
         by_method.setdefault(report["method"], []).append(report)
-    grid = curve_grid(minutes, every)
+    grid = curve_grid(minutes, GRID_S)
     figure, (gains, diversity) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
     for index, (method, runs) in enumerate(sorted(by_method.items())):
         per_seed = [mean_curve([run], grid) for run in runs]
@@ -360,7 +361,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
     parser.add_argument("--eval-every-s", type=float, default=60.0, help="curve cadence (CPU-s)")
     parser.add_argument(
-        "--final-samples", type=int, default=128, help="images per held-out prompt, before/after"
+        "--final-samples", type=int, default=132, help="images per held-out prompt, before/after"
     )
     parser.add_argument(
         "--curve-samples", type=int, default=16, help="images per held-out prompt, in between"
