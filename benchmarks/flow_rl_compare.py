@@ -15,7 +15,7 @@ trained on, so a gain that is reward hacking shows as a drop there:
   prompt (a collapse to one image per prompt drives it to 0), before and after
   (``diffusion_rl.evaluation.diversity``, in every flow evaluation record);
 * ``train_prompts``: accuracy on the train prompts at evaluation seeds the rollouts never
-  used (the gap to held-out accuracy: memorisation).
+  used, `--curve-samples` images each (the gap to held-out accuracy: memorisation).
 
 The report (one JSON object, the last line of stdout) has, per method, the mean and
 min–max held-out gain over the seeds, the mean curve, and for the best forward-process
@@ -128,7 +128,7 @@ def evaluate(self, tag):
     out = real_evaluate(self, tag)
     if tag in ("before", "after"):
         extra[f"diversity_{tag}"] = self.final.diversity
-        extra[f"train_prompts_{tag}"] = measure(self.served, "train", config.eval_samples_per_prompt).accuracy
+        extra[f"train_prompts_{tag}"] = measure(self.served, "train").accuracy
     spent["eval"] += time.process_time() - start
     return out
 recipe.FlowGRPORecipe.evaluate = evaluate
