@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pydantic
@@ -84,6 +85,13 @@ def test_example_stream_is_deterministic_and_covers_the_split():
         window = stream[epoch * n : (epoch + 1) * n]
         assert sorted(e.prompt for e in window) == sorted(e.prompt for e in TASK.prompts("train"))
     assert stream[:n] != stream[n : 2 * n]
+    # each epoch is the split shuffled by its own seed, read in any order (the shuffles are
+    # cached): the stream by hand, backwards and far out
+    for index in [*range(3 * n - 1, -1, -7), 10**6 + 3]:
+        epoch, offset = divmod(index, n)
+        order = list(range(n))
+        random.Random(TASK._seed("train", "epoch", epoch)).shuffle(order)
+        assert TASK.example(index, "train") == TASK.prompts("train")[order[offset]]
     held = TASK.examples(range(len(TASK.prompts("eval"))), "eval")
     assert sorted(e.prompt for e in held) == sorted(e.prompt for e in TASK.prompts("eval"))
     with pytest.raises(pydantic.ValidationError, match="max_count"):
