@@ -291,6 +291,9 @@ FLOW_SFT_OBJECTIVE_DEFAULTS = {"sigma_sampling": "uniform", "cond_dropout": 0.1}
 # The serving sampler of the image recipes: few Euler steps and strong guidance suit the
 # 16-pixel pixel-space DiT (σ shift 1: pixel space needs no shift towards noise).
 FLOW_SAMPLER_DEFAULTS = {"num_steps": 10, "shift": 1.0, "guidance_scale": 4.0}
+# The flow recipes' held-out samples take their seeds from here, whatever the run's seed:
+# every run's start reads the same, so runs of several seeds compare on the same noise.
+EvalSeed = Annotated[int, Field(ge=0)]
 FLOW_GRPO_SAMPLER_DEFAULTS = {**FLOW_SAMPLER_DEFAULTS, "mode": "sde"}
 
 # ``policy.algorithm`` picks the flow RL method: Flow-GRPO (PPO on SDE-step log-probs) or a
@@ -335,9 +338,7 @@ class FlowSFTRecipeConfig(RunConfig):
     micro_batch_size: int | None = Field(default=None, gt=0)
     activation_checkpointing: bool = False  # pipeline models (docs/flow_models.md)
     eval_samples_per_prompt: int = Field(default=4, gt=0)
-    # the held-out samples' seeds start here, whatever the run's seed: every run's start reads
-    # the same, so runs of several seeds compare on the same noise
-    eval_seed: int = Field(default=0, ge=0)
+    eval_seed: EvalSeed = 0
     grid_images: int = Field(default=16, ge=0)
     # stop at the first evaluation (every eval_every steps) whose held-out accuracy reaches
     # this, so that RL after SFT starts with headroom (null: train all steps)
@@ -417,9 +418,7 @@ class FlowGRPORecipeConfig(RunConfig):
     offload_device: str | None = None
     activation_checkpointing: bool = False  # pipeline models (docs/flow_models.md)
     eval_samples_per_prompt: int = Field(default=4, gt=0)
-    # the held-out samples' seeds start here, whatever the run's seed: every run's start reads
-    # the same, so runs of several seeds compare on the same noise
-    eval_seed: int = Field(default=0, ge=0)
+    eval_seed: EvalSeed = 0
     grid_images: int = Field(default=16, ge=0)
 
     _check_offload = field_validator("offload_device")(_offload_device)
@@ -548,9 +547,7 @@ class WorkflowRLRecipeConfig(RunConfig):
     group_size: int = Field(default=4, gt=1)
     allow_off_policy: bool = False
     eval_samples_per_prompt: int = Field(default=2, gt=0)
-    # the held-out samples' seeds start here, whatever the run's seed: every run's start reads
-    # the same, so runs of several seeds compare on the same noise
-    eval_seed: int = Field(default=0, ge=0)
+    eval_seed: EvalSeed = 0
     preview_clips: int = Field(default=8, ge=0)
 
     @model_validator(mode="before")
